@@ -1,0 +1,123 @@
+"""The `litegen` command. Commands only: each parses its options, then calls one shared
+function (recipe loading, planning, launching) and turns errors into short messages.
+
+torch is never imported at module load: `litegen --help` and `inspect-config` stay fast,
+and `launch` imports the launcher (and with it torch) only when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from litegen_cli import render
+from litegen_cli.plan import derive_plan
+from litegen_cli.recipe import Recipe, RecipeError, load_recipe
+
+EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 1
+
+app = typer.Typer(
+    name="litegen",
+    help="Launch and inspect LiteGen training recipes (YAML + an entry module) over torchrun.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Errors are printed as panels by the commands; a crash must not dump locals.
+    pretty_exceptions_show_locals=False,
+    rich_markup_mode="rich",
+    epilog="Examples: litegen inspect-config recipes/digits.yaml max_steps=10 | "
+    "litegen launch recipes/digits.yaml launch.nproc_per_node=2",
+)
+
+RecipeArg = Annotated[
+    Path,
+    typer.Argument(
+        help="YAML recipe: a `launch:` section beside the MainConfig and your own fields.",
+        metavar="RECIPE",
+        show_default=False,
+    ),
+]
+OverridesArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Dotted overrides applied before validation, values read as YAML: "
+        "max_steps=100 optimization.parallel.strategy=fsdp1 launch.nproc_per_node=2.",
+        metavar="KEY=VALUE",
+        show_default=False,
+    ),
+]
+
+
+def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
+    """Load and plan-check a recipe; print every problem and exit 2 when it is unusable.
+
+    Shared by every command that takes a recipe, so `launch` (and a future `resume`)
+    validate exactly like `inspect-config`.
+    """
+    try:
+        recipe = load_recipe(recipe_path, overrides or [])
+        derive_plan(recipe)
+    except RecipeError as err:
+        render.print_recipe_error(err)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    return recipe
+
+
+def run_launch(recipe: Recipe) -> None:
+    """Run one node of the job; print a short summary and exit 1 when a rank fails.
+
+    The single launch path: a `resume` command would load its recipe, set the resume
+    fields and call this too.
+    """
+    from litegen_cli.launcher import LaunchFailed, launch  # imports torch lazily
+
+    try:
+        resolved = launch(recipe)
+    except RecipeError as err:
+        render.print_recipe_error(err)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except LaunchFailed as err:
+        lines = [f"rank {f.rank}: exit code {f.exitcode}: {f.message}" for f in err.failures]
+        if err.failures:
+            lines.append("The rank tracebacks are printed above, in the ranks' own output.")
+        render.print_error("Training failed", [err.summary, *lines])
+        raise typer.Exit(err.exit_code) from None
+    except OSError as err:  # e.g. the results dir is not writable
+        render.print_error("Cannot start the run", [f"{type(err).__name__}: {err}"])
+        raise typer.Exit(EXIT_RUN_FAILED) from None
+    render.console.print(f"[green]Done.[/] Resolved recipe: {resolved}")
+
+
+@app.command()
+def launch(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+    """Validate RECIPE, then start its ranks on this node with torchrun.
+
+    Run the same command on every node of a multi-node job (or through `srun` on SLURM,
+    where nnodes, node_rank, rdzv_id and the rendezvous host come from the job).
+    """
+    run_launch(load_or_exit(recipe, overrides))
+
+
+@app.command("inspect-config")
+def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+    """Print the resolved, validated recipe and the derived run plan; start nothing.
+
+    Exits with code 2 and lists every problem when the recipe is invalid.
+    """
+    loaded = load_or_exit(recipe, overrides)
+    render.console.print(render.config_tree(loaded))
+    render.console.print(render.plan_table(derive_plan(loaded)))
+
+
+def main() -> None:
+    """Console-script entry point (`litegen`).
+
+    >>> main()  # doctest: +SKIP  (same as running `litegen --help`)
+    """
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Terminal output for the CLI: config trees, the run plan and error panels (rich only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.tree import Tree
+
+from litegen_cli.plan import RunPlan
+from litegen_cli.recipe import Recipe, RecipeError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _add(tree: Tree, value: Any) -> None:
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if isinstance(child, dict) and child:
+                _add(tree.add(f"[bold]{escape(str(key))}[/]"), child)
+            else:
+                _add_leaf(tree, key, child)
+    else:
+        tree.add(escape(repr(value)))
+
+
+def _add_leaf(tree: Tree, key: Any, value: Any) -> None:
+    shown = "{}" if value == {} else repr(value) if isinstance(value, str) else str(value)
+    tree.add(f"{escape(str(key))}: [cyan]{escape(shown)}[/]")
+
+
+def config_tree(recipe: Recipe) -> Tree:
+    """The resolved recipe (launch + validated config) as a rich tree.
+
+    >>> console.print(config_tree(load_recipe("recipes/digits.yaml")))  # doctest: +SKIP
+    """
+    tree = Tree(f"[bold]{escape(str(recipe.path))}[/] (resolved)")
+    _add(tree, recipe.resolved_dict())
+    return tree
+
+
+def plan_table(plan: RunPlan) -> Table:
+    """The derived plan as a two-column table.
+
+    >>> console.print(plan_table(derive_plan(recipe)))  # doctest: +SKIP
+    """
+    table = Table(title="Run plan", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("world size", f"{plan.world_size} (nproc_per_node * nnodes)"),
+        ("data-parallel size", str(plan.dp_size)),
+        ("global batch size", str(plan.global_batch_size)),
+        ("grad accumulation steps", str(plan.grad_accum_steps)),
+        ("per-rank micro batch", f"{plan.micro_batch} (global / (dp * grad_accum))"),
+        ("strategy", plan.strategy),
+        ("device", plan.device),
+    ]
+    for name, value in rows:
+        table.add_row(name, escape(value))
+    return table
+
+
+def print_recipe_error(err: RecipeError) -> None:
+    """Show every problem of a recipe in one red panel on stderr, in MainConfig's format."""
+    err_console.print(Panel(escape(str(err)), title="Invalid recipe", border_style="red"))
+
+
+def print_error(title: str, lines: list[str]) -> None:
+    """Show a short error (no traceback) in a red panel on stderr."""
+    body = "\n".join(escape(line) for line in lines) or escape(title)
+    err_console.print(Panel(body, title=escape(title), border_style="red"))

@@ -1,0 +1,38 @@
+"""Per-rank entry started by torchrun: ``python -m litegen_cli.worker RESOLVED_RECIPE``.
+
+``@record`` writes this rank's exception to torchrun's error file, so the launcher can
+show a one-line reason per failed rank instead of every rank's traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from litegen_cli.recipe import load_recipe
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Load the resolved recipe (no overrides: they are already applied) and train.
+
+    Example (what torchrun runs on every rank)::
+
+        python -m litegen_cli.worker results/digits/recipe.resolved.yaml
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m litegen_cli.worker RESOLVED_RECIPE")
+    recipe = load_recipe(Path(args[0]))
+
+    from litegen.trainer import run_entry
+
+    # base_dir is the ORIGINAL recipe folder (launch.recipe_dir), not the results dir the
+    # resolved copy lives in, so relative entry paths resolve as the user wrote them.
+    run_entry(recipe.config, entry=recipe.launch.entry, base_dir=recipe.base_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Tensor artifact cache: compute latents and text embeddings once, read them every epoch.
+
+    from litegen.cache import TensorCache, fill_cache, fingerprint
+
+    cache = TensorCache("/data/cache", fingerprint(vae, resolution=256))
+    fill_cache(cache, dataset, encode_fn, batch_size=32)  # ahead of training, on every rank
+    latent = cache.get(index)["latent"]                   # during training
+
+See docs/data.md for the on-disk layout, concurrency and corruption handling.
+"""
+
+from litegen.cache.fill import fill_cache
+from litegen.cache.fingerprint import fingerprint
+from litegen.cache.store import CacheStats, TensorCache
+
+__all__ = ["CacheStats", "TensorCache", "fill_cache", "fingerprint"]

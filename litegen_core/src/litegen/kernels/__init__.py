@@ -1,0 +1,10 @@
+"""Optional fused kernels, swapped into a model in place.
+
+from litegen.kernels import apply_fused_layernorm
+
+swapped = apply_fused_layernorm(model)  # 0, with a warning, when Apex is not installed
+"""
+
+from litegen.kernels.layernorm import apply_fused_layernorm
+
+__all__ = ["apply_fused_layernorm"]

@@ -1,0 +1,166 @@
+"""Selective activation checkpointing of a model's blocks (non-reentrant ``torch.utils.checkpoint``).
+
+A checkpointed block keeps only its inputs during the forward pass and runs its forward again
+in the backward pass. We patch the block's ``forward`` on the instance instead of wrapping the
+block in a new module, so parameter names, ``state_dict`` keys and ``named_modules`` stay exactly
+those of the user's model (checkpoints, optimizers and FSDP plans keep working), and module hooks
+(FSDP's all-gathers) still run outside the recomputed region, as with torchtitan's wrapper.
+
+``selective_ratio`` is the share of candidate blocks left *without* checkpointing. The
+``k = n - round(ratio * n)`` checkpointed blocks are spread evenly through the depth with
+Bresenham's rule: block ``i`` is checkpointed when ``floor((i + 1) k / n) > floor(i k / n)``, so
+each stretch of ``n / k`` blocks ends with a checkpointed one (4 blocks at 0.5: blocks 1 and 3;
+28 blocks at 0.25: every block but 0, 4, 8, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+aten = torch.ops.aten
+
+# Outputs kept by the ``ops`` policy: the expensive ops (matmuls, attention, convolutions).
+# Everything else in a checkpointed block (norms, activations, adds, modulation) is recomputed,
+# which costs little time but frees most of the block's activation memory.
+_SAVED_OPS_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+SAVED_OPS = frozenset(
+    getattr(aten, name).default for name in _SAVED_OPS_NAMES if hasattr(aten, name)
+)
+
+
+def _keep_expensive_ops(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def ops_policy_context() -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint``: save matmul/attention outputs, recompute the rest.
+
+    Example:
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context)
+    """
+    return create_selective_checkpoint_contexts(_keep_expensive_ops)
+
+
+def select_evenly(paths: Sequence[str], selective_ratio: float) -> list[str]:
+    """The candidates to checkpoint: all but ``round(ratio * n)``, evenly spread (module doc).
+
+    Example:
+        >>> select_evenly(["b.0", "b.1", "b.2", "b.3"], 0.5)
+        ['b.1', 'b.3']
+    """
+    if not 0.0 <= selective_ratio <= 1.0:
+        raise ValueError(
+            f"activation_checkpoint.selective_ratio={selective_ratio} must lie in [0, 1] "
+            "(0: checkpoint every block, 1: none)."
+        )
+    n = len(paths)
+    k = n - math.floor(selective_ratio * n + 0.5)  # round half up, not to even
+    return [p for i, p in enumerate(paths) if (i + 1) * k // n > i * k // n]
+
+
+def _call_split(forward: Callable, n_args: int, names: tuple[str, ...], *flat: Any) -> Any:
+    return forward(*flat[:n_args], **dict(zip(names, flat[n_args:], strict=True)))
+
+
+class CheckpointedForward:
+    """Replaces ``block.forward``: runs the original forward under non-reentrant checkpoint.
+
+    Keyword arguments are passed to ``checkpoint`` positionally, because checkpoint saves its
+    positional tensors through autograd's saved-tensor hooks (where the offloader sees them)
+    but would keep keyword tensors alive in a closure, out of the offloader's reach.
+    """
+
+    def __init__(
+        self, forward: Callable, context_fn: Callable | None = None, offloader: Any = None
+    ) -> None:
+        self.forward = forward  # the block's own bound forward
+        self.context_fn = context_fn
+        self.offloader = offloader
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference/EMA: nothing to save, nothing to recompute
+            return self.forward(*args, **kwargs)
+        run = functools.partial(_call_split, self.forward, len(args), tuple(kwargs))
+        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        if self.offloader is None:
+            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, **extra)
+        with self.offloader.block(self):  # ``self`` identifies the block (one per block)
+            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, **extra)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_modules` patched this module."""
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def checkpoint_modules(
+    model: nn.Module,
+    paths: Sequence[str],
+    *,
+    policy: str = "block",
+    offloader: Any = None,
+) -> list[str]:
+    """Checkpoint the submodules at ``paths`` in place; returns the paths patched.
+
+    ``policy="ops"`` keeps matmul and attention outputs inside each block (selective checkpoint
+    contexts). With an ``offloader`` (:class:`litegen.memory.offload.ActivationOffloader`), the
+    inputs each block saves go to CPU memory until the backward pass needs them.
+
+    Example:
+        >>> checkpoint_modules(dit, ["blocks.1", "blocks.3"])
+        ['blocks.1', 'blocks.3']
+    """
+    if policy not in ("block", "ops"):
+        raise ValueError(f"activation_checkpoint.policy '{policy}' is unknown; use block or ops.")
+    check_paths(model, paths)
+    context_fn = ops_policy_context if policy == "ops" else None
+    for path in paths:
+        module = model.get_submodule(path)
+        if is_checkpointed(module):
+            continue  # prepared twice: keep the first wrapping, never nest checkpoints
+        module.forward = CheckpointedForward(module.forward, context_fn, offloader)
+    return list(paths)
+
+
+def check_paths(model: nn.Module, paths: Sequence[str]) -> None:
+    """Raise ``ValueError`` for unknown paths, the root, or paths nested inside one another."""
+    known = dict(model.named_modules())
+    unknown = [p for p in paths if p not in known]
+    if unknown:
+        raise ValueError(
+            f"activation checkpoint paths {unknown} are not submodules of "
+            f"{type(model).__name__}; use dotted names from model.named_modules(), e.g. "
+            f"{[n for n in known if n][:4]}."
+        )
+    if "" in paths:
+        raise ValueError("the root module cannot be checkpointed; list its blocks instead.")
+    nested = [(a, b) for a in paths for b in paths if b.startswith(a + ".")]
+    if nested:
+        raise ValueError(
+            f"activation checkpoint paths are nested {nested}; list either the outer or the "
+            "inner modules, not both."
+        )

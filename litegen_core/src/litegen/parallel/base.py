@@ -1,0 +1,137 @@
+"""The one interface every parallel strategy implements, and the shared default behaviour.
+
+``prepare`` talks to strategies only through this class. The defaults suit strategies whose
+wrapped model keeps the user's parameters (DDP); sharding strategies override what differs.
+Full state dicts go through ``torch.distributed.checkpoint.state_dict``, which already
+understands DDP, FSDP1 and FSDP2 modules.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from litegen.checkpoint.files import load_state, save_state
+from litegen.parallel.plan import ParallelPlan
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class Strategy:
+    """How one trainable model and its optimizer are spread over the data-parallel ranks.
+
+    Example:
+        >>> strategy = build_strategy(plan, optimization_cfg)
+        >>> model = strategy.wrap_model(model)
+        >>> optimizer = strategy.wrap_optimizer(optimizer, model)
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
+        self.plan = plan
+        self.optimization = optimization
+
+    # -- wrapping ---------------------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Move a trainable model to the device and wrap it for this strategy."""
+        raise NotImplementedError
+
+    def wrap_frozen_model(self, model: nn.Module) -> nn.Module:
+        """Frozen models (text encoders, VAEs) are replicated, in eval mode, without grads."""
+        return model.to(self.plan.device).eval().requires_grad_(False)
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
+    ) -> torch.optim.Optimizer:
+        """Return the optimizer that steps ``model``'s (possibly new) parameters.
+
+        ``fqn_of`` maps ``id(parameter)`` of the parameters the optimizer was built on to their
+        names, captured before wrapping. Strategies that replace parameters rebind the
+        optimizer's groups in place, so LR schedulers built on it stay valid.
+        """
+        return optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper this strategy added."""
+        return model
+
+    # -- training step ----------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        """Context for micro-batches that only accumulate gradients (no communication)."""
+        return nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    # -- full (unsharded) state, for single-file checkpoints ---------------------------------
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model on CPU, keyed like the user's module; call on every rank."""
+        return get_model_state_dict(model, options=FULL_STATE)
+
+    def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole-model state (every rank passes the same dict)."""
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
+        """The optimizer state keyed by parameter names, whole, on CPU; call on every rank."""
+        return get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+
+    def load_full_optimizer_state(self, optimizer, model: nn.Module, state: dict) -> None:
+        set_optimizer_state_dict(
+            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
+
+    # -- optimizer files (save_optimizer / resume_from) ---------------------------------------
+    def save_optimizer_file(
+        self, optimizer, model: nn.Module, path: Path, state_format: str
+    ) -> Path:
+        """Write the optimizer state to ``path``; call on every rank.
+
+        The default gathers the full state and rank 0 writes one file. Sharding strategies may
+        write rank-local shards plus a manifest for ``state_format="auto"`` (see zero1).
+        """
+        state = self.full_optimizer_state(optimizer, model)
+        if self.plan.rank == 0:
+            save_state(state, path)
+        dist.barrier()
+        return path
+
+    def load_optimizer_file(self, optimizer, model: nn.Module, path: Path) -> None:
+        """Load what :meth:`save_optimizer_file` (of any strategy) wrote."""
+        state = load_state(path, what="optimizer")
+        self.load_full_optimizer_state(optimizer, model, state)
+
+    # -- sharded state for torch.distributed.checkpoint (reshards on load) -------------------
+    def dcp_state(self, model: nn.Module, optimizer=None) -> dict[str, Any]:
+        """Model (and optimizer) state as DCP expects it: sharded where the strategy shards."""
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_dcp_state(self, model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+        """Apply a state dict that ``dcp.load`` filled in place of :meth:`dcp_state`'s."""
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )

@@ -1,0 +1,113 @@
+"""FSDP1: ``FullyShardedDataParallel`` around each repeated block and around the root.
+
+Each detected block (``memory.blocks.repeated_blocks``) becomes one flat-parameter unit; the
+root unit owns the rest (embeddings, final layers). ``use_orig_params=True`` keeps the user's
+parameter objects and names visible, so optimizers rebind by name, LR schedulers keep working,
+and torch's state-dict API returns clean names (no ``_fsdp_wrapped_module``).
+
+Mixed precision (documented in docs/strategies.md) reuses ``optimization.precision.fsdp2_mixed``:
+
+=====================  ========================================================
+fsdp2_mixed field      FSDP1 ``MixedPrecision`` field
+=====================  ========================================================
+param_dtype            param_dtype (all-gather and compute dtype)
+reduce_dtype           reduce_dtype (gradient reduce-scatter dtype)
+cast_forward_inputs    cast_forward_inputs and cast_root_forward_inputs
+output_dtype           no FSDP1 equivalent: setting it is an error
+=====================  ========================================================
+
+``cast_model`` is applied by ``prepare`` before wrapping, so FSDP1 simply shards the cast
+parameters; buffers are never cast by the policy (as in FSDP2).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+from torch.distributed.fsdp.wrap import CustomPolicy
+
+from litegen.memory.blocks import repeated_blocks
+from litegen.parallel.base import Strategy
+from litegen.parallel.fsdp2 import broadcast_from_rank0, rebind_optimizer
+from litegen.precision import DTYPES
+
+log = logging.getLogger("litegen")
+
+
+def fsdp1_mixed_precision(cfg: Any) -> MixedPrecision | None:
+    """``optimization.precision.fsdp2_mixed`` mapped onto FSDP1; None when nothing is asked.
+
+    Example:
+        >>> fsdp1_mixed_precision(FSDP2MixedConfig(param_dtype="bf16")).param_dtype
+        torch.bfloat16
+    """
+    if cfg.output_dtype is not None:
+        raise ValueError(
+            "optimization.precision.fsdp2_mixed.output_dtype has no FSDP1 equivalent; unset "
+            "it for strategy 'fsdp1', or use strategy 'fsdp2'."
+        )
+    if cfg.param_dtype is None and cfg.reduce_dtype is None:
+        return None
+    return MixedPrecision(
+        param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
+        reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+        cast_forward_inputs=cfg.cast_forward_inputs,
+        cast_root_forward_inputs=cfg.cast_forward_inputs,
+    )
+
+
+class Fsdp1Strategy(Strategy):
+    """``FullyShardedDataParallel`` with one unit per repeated block, ``use_orig_params=True``.
+
+    Example:
+        >>> model = Fsdp1Strategy(plan, config.optimization).wrap_model(model)
+        >>> type(model).__name__
+        'FullyShardedDataParallel'
+    """
+
+    name: ClassVar[str] = "fsdp1"
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        modules = dict(model.named_modules())
+        blocks = {id(modules[path]) for path in repeated_blocks(model)}
+        if not blocks:
+            log.warning(
+                "fsdp1: %s has no repeated blocks, so the whole model is one FSDP unit (every "
+                "rank gathers all parameters at once); implement get_fsdp_wrap_module_list() "
+                "to choose units.",
+                type(model).__name__,
+            )
+        model = model.to(self.plan.device)
+        # Every rank starts from rank 0's weights, as with DDP. (FSDP1's own
+        # sync_module_states refuses CPU modules, so the broadcast happens here.)
+        broadcast_from_rank0(model)
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=CustomPolicy(lambda module: id(module) in blocks),
+            mixed_precision=fsdp1_mixed_precision(self.optimization.precision.fsdp2_mixed),
+            use_orig_params=True,
+            # Given explicitly: without it FSDP1 looks for an accelerator and refuses CPU.
+            device_id=self.plan.device,
+        )
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
+    ) -> torch.optim.Optimizer:
+        # use_orig_params keeps the parameter objects; rebinding by name makes that explicit
+        # and still works if a torch version swaps them.
+        return rebind_optimizer(optimizer, model, fqn_of)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, FullyShardedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return model.no_sync()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        # The root FSDP unit reduces the partial norms of every rank's shards.
+        return model.clip_grad_norm_(max_norm)

@@ -1,0 +1,175 @@
+"""FSDP2 (``fully_shard``) and HSDP: parameters, gradients and optimizer state sharded.
+
+``fsdp2`` shards every planned unit (see ``parallel/wrap.py``) across all data-parallel ranks
+of a 1-D mesh. ``hsdp`` is the same on a 2-D ``(replicate, shard)`` mesh: units are sharded
+within a node and replicated across nodes. Parameters become DTensors with their original
+names, so optimizers are rebound by name and full/DCP state dicts come from torch's
+``torch.distributed.checkpoint.state_dict`` (``base.py``'s defaults).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from litegen.parallel.base import Strategy
+from litegen.parallel.mesh import dp_mesh, hsdp_mesh
+from litegen.parallel.wrap import last_unit, plan_units
+from litegen.precision import fsdp2_mixed_policy
+
+# Wrappers that insert a path component into parameter names (FSDP1, checkpoint_wrapper,
+# torch.compile); names are compared without them.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user's unwrapped module spells it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
+) -> torch.optim.Optimizer:
+    """Point ``optimizer``'s groups at ``model``'s current parameters, matched by name, in place.
+
+    The groups (their order, membership and hyperparameters) and the optimizer object are
+    kept, so an LR scheduler built on the optimizer before ``prepare`` keeps working.
+
+    Example:
+        >>> fqn_of = {id(p): n for n, p in model.named_parameters()}  # before wrapping
+        >>> rebind_optimizer(optimizer, sharded_model, fqn_of) is optimizer
+        True
+    """
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state (it has stepped), which cannot follow the "
+            "parameters into their sharded form; pass it to prepare before the first step and "
+            "load saved optimizer state after prepare (resume_from or gen.load_model_state)."
+        )
+    current = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    for group in optimizer.param_groups:
+        rebound = []
+        for param in group["params"]:
+            name = fqn_of.get(id(param))
+            if name is None or name not in current:
+                raise ValueError(
+                    f"an optimizer parameter ({'unnamed' if name is None else name!r}) is not "
+                    "a parameter of the model it was prepared with; build the optimizer on "
+                    "model.parameters() of that model."
+                )
+            rebound.append(current[name])
+        group["params"] = rebound
+    return optimizer
+
+
+def configure_if_available(optimizer: torch.optim.Optimizer, optimization) -> torch.optim.Optimizer:
+    """Apply ``litegen.optim.configure_optimizer`` (master weights, backend) when it exists."""
+    if importlib.util.find_spec("litegen.optim") is None:
+        return optimizer
+    from litegen.optim import configure_optimizer
+
+    return configure_optimizer(optimizer, optimization)
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Start every rank from rank 0's weights, as DDP and FSDP1 (sync_module_states) do."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+class Fsdp2Strategy(Strategy):
+    """``fully_shard`` on each planned unit, then on the root, over a 1-D data-parallel mesh.
+
+    Example:
+        >>> strategy = Fsdp2Strategy(plan, config.optimization)
+        >>> model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
+    """
+
+    name: ClassVar[str] = "fsdp2"
+
+    def mesh(self) -> DeviceMesh:
+        return dp_mesh(self.plan)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        cfg = self.optimization.parallel.fsdp2
+        units = plan_units(model, cfg)
+        last = last_unit(model, units)
+        model = model.to(self.plan.device)
+        modules = dict(model.named_modules())
+        ignored = {p for path in cfg.exclude_paths for p in modules[path].parameters()}
+        broadcast_from_rank0(model)
+        common = {
+            "mesh": self.mesh(),
+            "mp_policy": fsdp2_mixed_policy(self.optimization.precision.fsdp2_mixed),
+            # Excluded (frozen) parameters stay plain, replicated tensors in no unit.
+            "ignored_params": ignored or None,
+        }
+
+        def reshard(override: bool | int | None) -> bool | int | None:
+            # None everywhere keeps torch's default (reshard units, keep the root gathered).
+            return cfg.reshard_after_forward if override is None else override
+
+        for path in units:  # bottom-up: a unit is sharded before any unit around it
+            override = cfg.last_unit_reshard_after_forward if path == last else None
+            fully_shard(modules[path], reshard_after_forward=reshard(override), **common)
+        fully_shard(model, reshard_after_forward=reshard(cfg.root_reshard_after_forward), **common)
+        return model
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
+    ) -> torch.optim.Optimizer:
+        rebind_optimizer(optimizer, model, fqn_of)
+        return configure_if_available(optimizer, self.optimization)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        # fully_shard changes the module's class in place; there is no wrapper to peel off.
+        return model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return _no_gradient_sync(model)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            # Each rank's norm covers its shards only; full_tensor() reduces to the global one.
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm
+
+
+class HsdpStrategy(Fsdp2Strategy):
+    """FSDP2 on a ``(replicate=nnodes, shard=local_world_size)`` mesh.
+
+    Example:
+        >>> HsdpStrategy(plan, config.optimization).mesh().mesh_dim_names
+        ('replicate', 'shard')
+    """
+
+    name: ClassVar[str] = "hsdp"
+
+    def mesh(self) -> DeviceMesh:
+        return hsdp_mesh(self.plan)
+
+
+@contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally; the final micro-batch reduces them all."""
+    assert isinstance(model, FSDPModule), "Fsdp2Strategy.wrap_model shards the root"
+    model.set_requires_gradient_sync(False)  # recurses into every unit (and HSDP's all-reduce)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,36 @@
+"""Device meshes over the data-parallel ranks, for the FSDP2 family."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from litegen.parallel.plan import ParallelPlan
+
+
+def dp_mesh(plan: ParallelPlan) -> DeviceMesh:
+    """1-D mesh over every data-parallel rank: fsdp2 shards each unit across all of them.
+
+    Example:
+        >>> dp_mesh(plan).shape  # 8 ranks
+        (8,)
+    """
+    return init_device_mesh(plan.device.type, (plan.dp_size,), mesh_dim_names=("shard",))
+
+
+def hsdp_mesh(plan: ParallelPlan) -> DeviceMesh:
+    """2-D mesh ``(replicate=nnodes, shard=local_world_size)``: shard inside a node, where the
+    links are fast, and replicate across nodes, so only gradients cross the slower network.
+
+    Rank ``r`` sits at ``(r // local_world_size, r % local_world_size)``, which matches
+    torchrun's node-major rank order.
+
+    Example:
+        >>> hsdp_mesh(plan).mesh_dim_names  # 2 nodes x 4 GPUs
+        ('replicate', 'shard')
+    """
+    assert plan.nnodes * plan.local_world_size == plan.dp_size, "plan checks the job shape"
+    return init_device_mesh(
+        plan.device.type,
+        (plan.nnodes, plan.local_world_size),
+        mesh_dim_names=("replicate", "shard"),
+    )

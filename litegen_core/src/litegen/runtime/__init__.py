@@ -1,0 +1,1 @@
+"""The runtime: process setup (``distributed``), the ``prepare`` pipeline and the LiteGen facade."""

@@ -1,0 +1,332 @@
+"""The LiteGen object: ``initialize(config)`` makes it; ``prepare`` and checkpoints go through it.
+
+gen = litegen.initialize(MainConfig.load_yaml("recipe.yaml"))
+model, optimizer, loader = gen.prepare(model, optimizer, dataset)
+...
+gen.save_model(step=1000)
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from litegen.checkpoint import (
+    check_model_state,
+    checkpoint_path,
+    load_state,
+    optimizer_path_for,
+    save_state,
+)
+from litegen.data import build_dataloader
+from litegen.ema import EMA
+from litegen.memory import apply_memory_optimizations
+from litegen.parallel import ParallelPlan, build_strategy
+from litegen.precision import cast_model
+from litegen.runtime import distributed
+from litegen.runtime.prepare import PreparedModel, fqns_of, is_trainable, kind_of, owner_of
+from litegen.utils.config import MainConfig
+
+log = logging.getLogger("litegen")
+
+
+class LiteGen:
+    """One training job's runtime: device, process group, prepared objects, checkpoints.
+
+    Example:
+        >>> gen = litegen.initialize(config)
+        >>> model, optimizer, loader = gen.prepare(model, optimizer, dataset)
+    """
+
+    def __init__(self, config: MainConfig) -> None:
+        if not isinstance(config, MainConfig):
+            raise TypeError(
+                f"litegen.initialize needs a validated MainConfig, got {type(config).__name__}; "
+                "load it with MainConfig.load_yaml(path) or MainConfig.from_dict(d) first."
+            )
+        self.config = config
+        self.env = distributed.DistEnv.from_environ()
+        self.device = distributed.resolve_device(config, self.env)
+        distributed.init_process_group(config, self.env, self.device)
+        distributed.set_tf32(config.optimization.precision.allow_tf32)
+        # Same seed on every rank: models built before prepare are identical everywhere.
+        distributed.seed_everything(config.global_seed)
+        self.plan = ParallelPlan.build(
+            config.optimization.parallel.strategy,
+            config.optimization.parallel,
+            self.env,
+            self.device,
+        )
+        dp = self.plan.dp_size
+        if config.global_batch_size % dp:
+            raise ValueError(
+                f"global_batch_size={config.global_batch_size} must be a multiple of the "
+                f"data-parallel size {dp}; pick a multiple of {dp}."
+            )
+        self.models: list[PreparedModel] = []
+        self.ema: EMA | None = None
+        self._ema_model: PreparedModel | None = None
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    # -- prepare ------------------------------------------------------------------------------
+    def prepare(self, *objects: Any, profile: str | None = None) -> Any:
+        """Hand native PyTorch objects to the runtime; get them back prepared, in order.
+
+        Models, optimizers, datasets and DataLoaders are accepted; a dataset becomes a
+        DataLoader over the global-batch sampler. One argument returns one object.
+
+        Example:
+            >>> model, optimizer, vae, loader = gen.prepare(model, optimizer, vae, dataset)
+        """
+        kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
+        optimization = self.config.optimization_for(profile)
+        strategy = build_strategy(
+            ParallelPlan.build(
+                optimization.parallel.strategy, optimization.parallel, self.env, self.device
+            ),
+            optimization,
+        )
+        results: list[Any] = list(objects)
+        raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
+        model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
+        fqns = [fqns_of(m) for m in raw_models]
+        # Owners are found before wrapping: sharding strategies (fsdp2) replace the parameters
+        # in place, so afterwards no model holds the optimizer's parameters any more.
+        owners = {
+            i: owner_of(obj, i, raw_models)
+            for i, obj in enumerate(objects)
+            if kinds[i] == "optimizer"
+        }
+        prepared: list[PreparedModel] = []
+        for slot, model in zip(model_slots, raw_models, strict=True):
+            entry = self._prepare_model(model, strategy, optimization, first=not self.models)
+            prepared.append(entry)
+            self.models.append(entry)
+            results[slot] = entry.module
+        for i, kind in enumerate(kinds):
+            if kind == "optimizer":
+                owner = owners[i]
+                entry = prepared[owner]
+                results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
+                entry.optimizers.append(results[i])
+            elif kind in ("dataset", "dataloader"):
+                results[i] = self._prepare_data(objects[i])
+        if self.config.ema.enable and self.ema is None:
+            trainable = [m for m in prepared if m.trainable]
+            if trainable:
+                self._ema_model = trainable[0]
+                self.ema = EMA(strategy.unwrap(trainable[0].module))
+        if self.config.resume_from and any(m.trainable for m in prepared):
+            self._resume(self.config.resume_from)
+        return results[0] if len(results) == 1 else results
+
+    def _prepare_model(
+        self, model: nn.Module, strategy, optimization, *, first: bool
+    ) -> PreparedModel:
+        if first and self.config.init_from:
+            self._load_into(model, self.config.init_from, what="init_from")
+        precision = optimization.precision
+        if precision.cast_model:
+            cast_model(model, precision.cast_model, precision.cast_exclude_paths)
+        if optimization.kernels.fused_layernorm:
+            from litegen.kernels import apply_fused_layernorm
+
+            apply_fused_layernorm(model)
+        if is_trainable(model):
+            # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
+            memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
+            if optimization.memory.activation_checkpoint.enabled:
+                log.info("%s: %s", type(model).__name__, memory.describe())
+            return PreparedModel(strategy.wrap_model(model), strategy, trainable=True)
+        return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _prepare_data(self, data: Any) -> Any:
+        collate_fn = None
+        if isinstance(data, torch.utils.data.DataLoader):
+            # Re-shard a user's loader over our sampler, keeping how it builds batches.
+            collate_fn, data = data.collate_fn, data.dataset
+        return build_dataloader(
+            data,
+            config=self.config,
+            dp_rank=self.plan.dp_rank,
+            dp_size=self.plan.dp_size,
+            collate_fn=collate_fn,
+        )
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _entry(self, model: nn.Module | None = None) -> PreparedModel:
+        if model is None:
+            trainable = [m for m in self.models if m.trainable]
+            if not trainable:
+                raise ValueError("no trainable model has been prepared yet; call prepare first.")
+            return trainable[0]
+        for entry in self.models:
+            if entry.module is model:
+                return entry
+        raise ValueError("this model was not returned by gen.prepare; pass the prepared model.")
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the strategy's wrapper (for sampling, custom methods)."""
+        return self._entry(model).strategy.unwrap(model)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        """Skip gradient communication for micro-batches that only accumulate."""
+        return self._entry(model).strategy.no_sync(model)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm of a prepared model; returns the norm before clipping."""
+        return self._entry(model).strategy.clip_grad_norm_(model, max_norm)
+
+    def update_ema(self, decay: float | None = None) -> None:
+        """Move the EMA towards the current weights (``ema.decay`` unless ``decay`` is given)."""
+        if self.ema is None:
+            raise ValueError("update_ema needs ema.enable: true and a prepared trainable model.")
+        entry = self._ema_model
+        self.ema.update(
+            entry.strategy.unwrap(entry.module), self.config.ema.decay if decay is None else decay
+        )
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _path(self, kind, output_folder, filename, step) -> Path:
+        return checkpoint_path(
+            kind,
+            default_folder=self.config.get_checkpoint_dir(),
+            exp_name=self.config.exp_name,
+            output_folder=output_folder,
+            filename=filename,
+            step=step,
+        )
+
+    def _write(self, state: dict, path: Path) -> Path:
+        if self.is_main_process:
+            save_state(state, path)
+            log.info("saved %s", path)
+        dist.barrier()
+        return path
+
+    def save_model(self, output_folder=None, filename=None, step=None, model=None) -> Path:
+        """Gather the full model state; rank 0 writes one file. Call on every rank.
+
+        Example:
+            >>> gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
+        """
+        entry = self._entry(model)
+        state = entry.strategy.full_model_state(entry.module)
+        return self._write(state, self._path("model", output_folder, filename, step))
+
+    def save_optimizer(
+        self, output_folder=None, filename=None, step=None, state_format="auto", model=None
+    ) -> Path:
+        """Write the optimizer state of the (first trainable) model. Call on every rank.
+
+        ``state_format="full"`` always writes one consolidated file; ``"auto"`` lets a
+        sharding strategy write rank-local shards plus a manifest instead.
+        """
+        if state_format not in ("auto", "full"):
+            raise ValueError(f"state_format must be 'auto' or 'full', got {state_format!r}.")
+        entry = self._entry(model)
+        if not entry.optimizers:
+            raise ValueError("save_optimizer: no optimizer was prepared with this model.")
+        path = self._path("optimizer", output_folder, filename, step)
+        return entry.strategy.save_optimizer_file(
+            entry.optimizers[0], entry.module, path, state_format
+        )
+
+    def save_model_state(self, path: str | Path, model=None, optimizer=None, ema=None) -> Path:
+        """Save sharded model/optimizer/EMA state with torch.distributed.checkpoint (a folder).
+
+        It reshards on load, so a run saved on 4 ranks loads on 2. Call on every rank.
+
+        Example:
+            >>> gen.save_model_state("ckpt/step1000", optimizer=optimizer, ema=True)
+        """
+        import torch.distributed.checkpoint as dcp
+
+        entry = self._entry(model)
+        state = entry.strategy.dcp_state(entry.module, optimizer)
+        if ema:
+            state["ema"] = self.ema.dcp_state()
+        dcp.save(state, checkpoint_id=str(path))
+        return Path(path)
+
+    def load_model_state(self, path: str | Path, model=None, optimizer=None, ema=None) -> None:
+        """Load what :meth:`save_model_state` wrote, resharding to this job's layout."""
+        import torch.distributed.checkpoint as dcp
+
+        if not Path(path, ".metadata").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a complete distributed checkpoint (no .metadata file); "
+                "point to a folder written by gen.save_model_state."
+            )
+        entry = self._entry(model)
+        state = entry.strategy.dcp_state(entry.module, optimizer)
+        if ema:
+            state["ema"] = self.ema.dcp_state()
+        dcp.load(state, checkpoint_id=str(path))
+        entry.strategy.load_dcp_state(entry.module, optimizer, state)
+        if ema:
+            self.ema.load_dcp_state(state["ema"])
+
+    def save_ema(self, output_folder=None, filename=None, step=None) -> Path:
+        """Write the EMA weights as one full file. Call on every rank."""
+        return self._write(self.full_ema_state(), self._path("ema", output_folder, filename, step))
+
+    def full_ema_state(self) -> dict[str, torch.Tensor]:
+        """The whole EMA model state on CPU, keyed like the model. Call on every rank.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_ema_state())
+        """
+        if self.ema is None:
+            raise ValueError("the EMA needs ema.enable: true and a prepared trainable model.")
+        return self.ema.state_dict()
+
+    def load(self, model: nn.Module, path: str | Path) -> None:
+        """Load full model weights (.pth or .safetensors) into a prepared model."""
+        entry = self._entry(model)
+        state = load_state(path, what="model")
+        check_model_state(entry.strategy.unwrap(entry.module).state_dict(), state, path)
+        entry.strategy.load_full_model_state(entry.module, state)
+
+    def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:
+        state = load_state(path, what=what)
+        check_model_state(model.state_dict(), state, path)
+        model.load_state_dict(state)
+
+    def _resume(self, model_path: str) -> None:
+        entry = self._entry()
+        self.load(entry.module, model_path)
+        if entry.optimizers:
+            entry.strategy.load_optimizer_file(
+                entry.optimizers[0], entry.module, optimizer_path_for(model_path)
+            )
+
+
+def initialize(config: MainConfig) -> LiteGen:
+    """Set up the process group, device and seeds for ``config``; returns the LiteGen object.
+
+    Example:
+        >>> gen = litegen.initialize(MainConfig.load_yaml("recipe.yaml"))
+    """
+    return LiteGen(config)

@@ -1,0 +1,79 @@
+"""The ``prepare`` pipeline: sort what the user passed, then process it in a fixed order.
+
+Models come first (load ``init_from``, cast, kernel swaps, then the strategy's wrap), then the
+optimizers that depend on them (rebound to the wrapped parameters), then datasets. Results
+come back in the order the arguments were given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from litegen.parallel.base import Strategy
+
+
+@dataclass
+class PreparedModel:
+    """A model after ``prepare``, with the strategy that owns it."""
+
+    module: nn.Module
+    strategy: Strategy
+    trainable: bool
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+def kind_of(obj: Any, position: int) -> str:
+    """'model', 'optimizer', 'dataloader' or 'dataset'; anything else is a user mistake."""
+    kind = preparable_kind(obj)
+    if kind is not None:
+        return kind
+    raise TypeError(
+        f"prepare argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+        "prepare accepts models (torch.nn.Module), optimizers (torch.optim.Optimizer), "
+        "datasets and DataLoaders. Call functions such as vae.encode inside your train step, "
+        "on the prepared model."
+    )
+
+
+def preparable_kind(obj: Any) -> str | None:
+    """The kind of object ``prepare`` takes, or None for anything it does not take."""
+    if isinstance(obj, nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    if isinstance(obj, Dataset) or (
+        hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not callable(obj)
+    ):
+        return "dataset"
+    return None
+
+
+def is_trainable(model: nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def owner_of(optimizer: torch.optim.Optimizer, position: int, models: list[nn.Module]) -> int:
+    """Index of the one model whose parameters the optimizer steps."""
+    param_ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owners = [
+        i for i, model in enumerate(models) if param_ids & {id(p) for p in model.parameters()}
+    ]
+    if len(owners) != 1:
+        found = "no prepared model" if not owners else f"{len(owners)} models"
+        raise ValueError(
+            f"prepare argument {position} (an optimizer) steps parameters of {found}; pass "
+            "each optimizer together with the one model whose parameters it was built on."
+        )
+    return owners[0]
+
+
+def fqns_of(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name, captured before wrapping changes the parameters."""
+    return {id(p): name for name, p in model.named_parameters()}

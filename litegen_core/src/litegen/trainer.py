@@ -1,0 +1,229 @@
+"""The training loop that ``litegen launch`` runs around a user's ``train_step``.
+
+Library users can run it too::
+
+    gen = litegen.initialize(config)
+    parts = dict(zip(("model", "optimizer", "loader"), gen.prepare(model, optimizer, dataset)))
+    Trainer(gen, train_step, parts).fit()
+
+``train_step(batch, **parts)`` returns the loss of one micro-batch. It receives, by keyword,
+whichever of the prepared parts, ``gen``, ``config`` and ``step`` its signature asks for (or all
+of them through ``**kwargs``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from litegen.entry import load_entry
+from litegen.metrics import MetricsLogger
+from litegen.runtime.litegen import LiteGen, initialize
+from litegen.runtime.prepare import preparable_kind
+from litegen.utils.config import MainConfig
+
+log = logging.getLogger("litegen")
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Trainer:
+    """Backward, accumulation, clipping, optimizer and scheduler steps, EMA, logs, checkpoints.
+
+    Example:
+        >>> Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
+    """
+
+    def __init__(
+        self,
+        gen: LiteGen,
+        train_step: Callable[..., torch.Tensor],
+        parts: dict[str, Any],
+    ) -> None:
+        self.gen = gen
+        self.config = gen.config
+        self.train_step = train_step
+        self.parts = parts
+        loaders = [v for v in parts.values() if isinstance(v, DataLoader)]
+        if len(loaders) != 1:
+            raise ValueError(
+                f"the training loop needs exactly one dataset or DataLoader among the prepared "
+                f"parts, got {len(loaders)}; return one dataset from build(config)."
+            )
+        self.loader = loaders[0]
+        self.optimizers = [v for v in parts.values() if isinstance(v, torch.optim.Optimizer)]
+        if not self.optimizers:
+            raise ValueError("the training loop needs an optimizer; return one from build(config).")
+        self.schedulers = [
+            v for v in parts.values() if isinstance(v, torch.optim.lr_scheduler.LRScheduler)
+        ]
+        self.models = [m.module for m in gen.models if m.trainable]
+        self.step = getattr(self.loader.batch_sampler, "start_step", 0)
+        self._step_kwargs = _keyword_filter(train_step)
+
+    # -- one optimizer step -------------------------------------------------------------------
+    def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
+        kwargs = {**self.parts, "gen": self.gen, "config": self.config, "step": self.step}
+        autocast = self.config.trainer.autocast
+        with ExitStack() as stack:
+            if not last:
+                for model in self.models:
+                    stack.enter_context(self.gen.no_sync(model))
+            stack.enter_context(
+                torch.autocast(self.gen.device.type, dtype=_AUTOCAST[autocast])
+                if autocast
+                else nullcontext()
+            )
+            loss = self.train_step(batch, **self._step_kwargs(kwargs))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"train_step must return the loss as a scalar tensor, got {type(loss).__name__}"
+                    f"{f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else ''}."
+                )
+            (loss / accum).backward()
+        return loss.detach().float()
+
+    def _all_finite(self, loss_sum: torch.Tensor) -> bool:
+        flag = torch.tensor([float(not torch.isfinite(loss_sum))], device=loss_sum.device)
+        dist.all_reduce(flag)
+        return flag.item() == 0
+
+    def _optimizer_step(self) -> float | None:
+        grad_norm = None
+        max_norm = self.config.trainer.max_grad_norm
+        if max_norm is not None:
+            norms = [self.gen.clip_grad_norm_(model, max_norm) for model in self.models]
+            grad_norm = float(torch.stack([n.float().cpu() for n in norms]).norm())
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        if self.gen.ema is not None:
+            self.gen.update_ema()
+        return grad_norm
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> list[float]:
+        """Train from the current step to ``max_steps``; returns the logged mean losses."""
+        cfg = self.config.trainer
+        accum = cfg.grad_accum_steps
+        samples_per_step = self.config.global_batch_size
+        for model in self.models:
+            model.train()
+        losses: list[float] = []
+        batches = iter(self.loader)
+        last_log = (time.perf_counter(), self.step)
+        with MetricsLogger(
+            self.config.get_results_dir(),
+            total_steps=self.config.max_steps,
+            enabled=self.gen.is_main_process,
+            start_step=self.step,
+        ) as metrics:
+            while self.step < self.config.max_steps:
+                loss_sum = torch.zeros((), device=self.gen.device)
+                for micro in range(accum):
+                    batch = next(batches)
+                    loss_sum += self._micro_step(batch, last=micro == accum - 1, accum=accum)
+                if not self._all_finite(loss_sum):
+                    self._handle_nonfinite(loss_sum)
+                    continue
+                grad_norm = self._optimizer_step()
+                self._zero_grad()
+                self.step += 1
+                if self.step % cfg.log_every == 0 or self.step == self.config.max_steps:
+                    dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+                    mean_loss = loss_sum.item() / accum
+                    losses.append(mean_loss)
+                    now = time.perf_counter()
+                    rate = (self.step - last_log[1]) * samples_per_step / (now - last_log[0])
+                    last_log = (now, self.step)
+                    values = {"loss": mean_loss, "samples_per_s": rate}
+                    values["lr"] = self.optimizers[0].param_groups[0]["lr"]
+                    if grad_norm is not None:
+                        values["grad_norm"] = grad_norm
+                    metrics.log(self.step, **values)
+                else:
+                    metrics.advance(self.step)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint(step=self.step)
+        if cfg.save_final:
+            self.save_checkpoint(step=None)
+        return losses
+
+    def _handle_nonfinite(self, loss_sum: torch.Tensor) -> None:
+        message = f"the loss is not finite at step {self.step + 1} on at least one rank"
+        if self.config.trainer.on_nan == "abort":
+            raise FloatingPointError(
+                f"{message}; training stopped (set trainer.on_nan: skip to skip such steps)."
+            )
+        log.warning("%s; skipping this step (trainer.on_nan: skip).", message)
+        self._zero_grad()
+        self.step += 1
+
+    def save_checkpoint(self, step: int | None) -> None:
+        """Model, optimizer and (when enabled) EMA files, named by the spec's rules."""
+        self.gen.save_model(step=step)
+        self.gen.save_optimizer(step=step)
+        if self.gen.ema is not None:
+            self.gen.save_ema(step=step)
+
+
+def _keyword_filter(
+    fn: Callable[..., Any], *, skip_first: bool = True
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Keep the keyword arguments ``fn`` accepts (all of them if it takes ``**kwargs``)."""
+    params = list(inspect.signature(fn).parameters.values())
+    params = params[1:] if skip_first else params  # train_step's first argument is the batch
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return lambda kwargs: kwargs
+    names = {p.name for p in params}
+    return lambda kwargs: {k: v for k, v in kwargs.items() if k in names}
+
+
+def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None) -> list[float]:
+    """Everything ``litegen launch`` does inside one worker: build, prepare, train, finish.
+
+    The entry module's ``build(config)`` returns a dict of named objects to prepare; they
+    reach ``train_step`` (and an optional ``finish(**parts)`` hook) under the same names.
+
+    Example:
+        >>> run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
+    """
+    module = load_entry(entry, base_dir)
+    gen = initialize(config)
+    built = module.build(config)
+    if not isinstance(built, dict) or not built:
+        raise ValueError(
+            f"build(config) in entry module '{entry}' must return a non-empty dict of named "
+            f"objects to prepare (model, optimizer, dataset, ...), got {type(built).__name__}."
+        )
+    # Models, optimizers and datasets are prepared; anything else (an LR scheduler, a
+    # tokenizer, plain values) reaches train_step unchanged.
+    names = [name for name, obj in built.items() if preparable_kind(obj) is not None]
+    prepared = gen.prepare(*(built[name] for name in names))
+    parts = dict(built)
+    parts.update(zip(names, prepared if len(names) > 1 else [prepared], strict=True))
+    trainer = Trainer(gen, module.train_step, parts)
+    losses = trainer.fit()
+    finish = getattr(module, "finish", None)
+    if callable(finish):
+        kwargs = {**parts, "gen": gen, "config": config, "step": trainer.step}
+        finish(**_keyword_filter(finish, skip_first=False)(kwargs))
+    dist.barrier()
+    return losses
+
+
+__all__ = ["Trainer", "run_entry"]

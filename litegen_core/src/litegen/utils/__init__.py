@@ -1,0 +1,1 @@
+"""Helpers that are public by path: ``litegen.utils.config`` and ``litegen.utils.encode``."""

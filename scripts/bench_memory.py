@@ -1,0 +1,240 @@
+"""Step time and peak memory of activation checkpointing and offload on the DiT workload.
+
+Issue 4's benchmark, for one H200: DiT-XL shapes (hidden 1152, depth 28, 16 heads, MLP 4,
+adaLN blocks), 4096 tokens per sample, batch 8, bf16 autocast, AdamW. Every configuration runs
+twice: through LiteGen (``apply_memory_optimizations``, the call ``prepare`` makes before the
+strategy wraps the model) and as hand-written PyTorch (``torch.utils.checkpoint`` in the model's
+forward, ``save_on_cpu`` for offload), with the same blocks checkpointed.
+
+    uv run --no-sync python scripts/bench_memory.py --out bench_memory.json
+    uv run --no-sync python scripts/bench_memory.py --max-seq --out max_seq.json
+    uv run --no-sync python scripts/bench_memory.py --device cpu --tiny   # smoke check
+
+``--max-seq`` finds the longest sequence (batch 1) that trains without checkpointing, with
+full checkpointing, and with checkpointing plus offload: doubling until out of memory, then
+bisecting to ``--seq-step`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dit_model import DiT, DiTConfig, sample_batch
+
+from litegen.memory import apply_memory_optimizations, select_evenly
+from litegen.memory.checkpointing import ops_policy_context
+from litegen.utils.config import MemoryConfig
+
+GIB = 2**30
+# name -> (checkpointing enabled, selective_ratio, policy, offload)
+CASES: dict[str, tuple[bool, float, str, bool]] = {
+    "none": (False, 1.0, "block", False),
+    "full": (True, 0.0, "block", False),
+    "selective_0.25": (True, 0.25, "block", False),
+    "selective_0.5": (True, 0.5, "block", False),
+    "selective_0.75": (True, 0.75, "block", False),
+    "ops": (True, 0.0, "ops", False),
+    "full_offload": (True, 0.0, "block", True),
+}
+
+
+def build(cfg: DiTConfig, case: str, impl: str, device: torch.device):
+    """A fresh model and optimizer with ``case``'s checkpointing, by LiteGen or by hand."""
+    torch.manual_seed(0)
+    model = DiT(cfg).to(device)
+    enabled, ratio, policy, offload = CASES[case]
+    offloader = None
+    if impl == "litegen":
+        memory = MemoryConfig.model_validate(
+            {
+                "activation_checkpoint": {
+                    "enabled": enabled,
+                    "selective_ratio": ratio,
+                    "policy": policy,
+                },
+                "activation_offload": offload,
+            }
+        )
+        offloader = apply_memory_optimizations(model, memory, strategy="ddp").offloader
+    elif enabled:
+        names = [f"blocks.{i}" for i in range(cfg.depth)]
+        model.hand_checkpoint = {int(n.split(".")[1]) for n in select_evenly(names, ratio)}
+        model.hand_context_fn = ops_policy_context if policy == "ops" else None
+        model.hand_offload = offload
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    return model, optimizer, offloader
+
+
+def train_step(model, optimizer, batch, device: torch.device) -> None:
+    x, t = batch
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    )
+    with autocast:
+        loss = (model(x, t).float() - x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
+    model, optimizer, offloader = build(cfg, case, impl, device)
+    batch = sample_batch(cfg, args.batch, args.tokens, device)
+    for _ in range(args.warmup):  # also allocates the optimizer state and pinned buffers
+        train_step(model, optimizer, batch, device)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if offloader is not None:
+        offloader.stats.reset()
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        start = time.perf_counter()
+        train_step(model, optimizer, batch, device)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    row = {
+        "case": case,
+        "impl": impl,
+        "step_s": statistics.median(times),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda"
+        else None,
+        "offloaded_gib_per_step": (
+            offloader.stats.bytes_offloaded / args.repeats / GIB if offloader else None
+        ),
+    }
+    del model, optimizer, offloader
+    release(device)
+    return row
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Step time and peak relative to the same implementation without checkpointing."""
+    base = {r["impl"]: r for r in rows if r["case"] == "none"}
+    for row in rows:
+        ref = base.get(row["impl"])
+        row["time_x"] = row["step_s"] / ref["step_s"] if ref else None
+        row["peak_x"] = row["peak_gib"] / ref["peak_gib"] if ref and row["peak_gib"] else None
+
+
+def _fmt(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def print_table(rows: list[dict]) -> None:
+    head = ("step s", "x none", "peak GiB", "x none", "offl GiB")
+    print(f"{'case':<16}{'impl':<9}" + "".join(f"{h:>10}" for h in head))
+    for r in rows:
+        values = (r["step_s"], r["time_x"], r["peak_gib"], r["peak_x"], r["offloaded_gib_per_step"])
+        digits = (3, 2, 2, 2, 2)
+        cells = "".join(_fmt(v, 10, d) for v, d in zip(values, digits, strict=True))
+        print(f"{r['case']:<16}{r['impl']:<9}{cells}")
+
+
+def fits(cfg: DiTConfig, case: str, tokens: int, device: torch.device, model, optimizer) -> bool:
+    """One training step at batch 1 and ``tokens`` tokens; False when it runs out of memory."""
+    try:
+        train_step(model, optimizer, sample_batch(cfg, 1, tokens, device), device)
+        sync(device)
+        return True
+    except torch.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    finally:
+        release(device)
+
+
+def longest_sequence(args, cfg: DiTConfig, case: str, device: torch.device) -> dict:
+    """Double the sequence until a step runs out of memory, then bisect to ``--seq-step``."""
+    model, optimizer, _ = build(cfg, case, "litegen", device)
+    train_step(model, optimizer, sample_batch(cfg, 1, args.seq_step, device), device)  # Adam state
+    good, bad = 0, None
+    tokens = args.seq_start
+    while tokens <= args.seq_cap:
+        print(f"  {case}: {tokens} tokens ...", flush=True)
+        if not fits(cfg, case, tokens, device, model, optimizer):
+            bad = tokens
+            break
+        good, tokens = tokens, tokens * 2
+    while bad is not None and bad - good > args.seq_step:
+        mid = (good + bad) // 2 // args.seq_step * args.seq_step
+        print(f"  {case}: {mid} tokens ...", flush=True)
+        good, bad = (mid, bad) if fits(cfg, case, mid, device, model, optimizer) else (good, mid)
+    del model, optimizer
+    release(device)
+    return {"case": case, "max_tokens": good, "capped": bad is None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="small model and batch (smoke)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per sample")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--impls", nargs="*", default=["litegen", "hand"], choices=["litegen", "hand"]
+    )
+    parser.add_argument("--max-seq", action="store_true", help="find the longest sequence")
+    parser.add_argument("--seq-start", type=int, default=8192)
+    parser.add_argument("--seq-cap", type=int, default=262144)
+    parser.add_argument("--seq-step", type=int, default=2048)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device; use --device cpu --tiny for a smoke check")
+    if args.tiny:
+        args.tokens, args.batch, args.warmup, args.repeats = 64, 2, 1, 2
+        args.seq_start, args.seq_cap, args.seq_step = 64, 256, 32
+    cfg = DiTConfig.tiny() if args.tiny else DiTConfig()
+    device = torch.device(args.device)
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    result["workload"] = {**cfg.__dict__, "tokens": args.tokens, "batch": args.batch}
+    if args.max_seq:
+        rows = [longest_sequence(args, cfg, c, device) for c in ("none", "full", "full_offload")]
+        for r in rows:
+            print(f"{r['case']:<16}{r['max_tokens']:>9} tokens{' (cap)' if r['capped'] else ''}")
+        result["max_seq"] = rows
+    else:
+        rows = []
+        for case in args.cases:
+            for impl in args.impls:
+                print(f"running {case} / {impl} ...", flush=True)
+                rows.append(measure(args, cfg, case, impl, device))
+        add_ratios(rows)
+        print_table(rows)
+        result["rows"] = rows
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""The `litegen` command: recipes, overrides, errors, torchrun arguments, SLURM, fast start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from litegen_cli import launcher
+from litegen_cli.app import app
+from litegen_cli.launcher import (
+    LaunchFailed,
+    RankFailure,
+    _summarize,
+    torchrun_args,
+    write_resolved_recipe,
+)
+from litegen_cli.plan import derive_plan
+from litegen_cli.recipe import LaunchSpec, RecipeError, apply_overrides, load_recipe
+from litegen_cli.slurm import apply_slurm_env, first_host
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+ENTRY = FIXTURES / "tiny_entry.py"
+runner = CliRunner()
+WIDE = {"COLUMNS": "250"}  # rich wraps at 80 columns otherwise
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm(monkeypatch):
+    """Tests run the same inside a SLURM allocation: no job unless a test sets one."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+
+def write_recipe(tmp_path: Path, text: str | None = None, **extra) -> Path:
+    """A small valid recipe in tmp_path; ``extra`` top-level keys replace the defaults."""
+    if text is None:
+        data = {
+            "launch": {"entry": str(ENTRY), "nproc_per_node": 2},
+            "exp_name": "tiny",
+            "results_dir": str(tmp_path / "results"),
+            "runtime": {"device": "cpu"},
+            "max_steps": 3,
+            "global_batch_size": 8,
+            "trainer": {"grad_accum_steps": 2, "log_every": 1},
+            "my_model": {"depth": 2},
+        }
+        data.update(extra)
+        text = yaml.safe_dump(data)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args], env=WIDE)
+
+
+# ----------------------------------------------------------------------------- inspect-config
+
+
+def test_inspect_config_prints_tree_and_plan(tmp_path):
+    result = invoke("inspect-config", write_recipe(tmp_path))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in ("launch", "nproc_per_node: 2", "exp_name: 'tiny'", "my_model", "depth: 2"):
+        assert text in out
+    assert "strategy: 'ddp'" in out
+    # 2 ranks, 8 samples, 2 accumulation steps -> 2 per rank per micro-step.
+    assert "world size" in out and "2 (nproc_per_node * nnodes)" in out
+    assert "per-rank micro batch" in out and "2 (global / (dp * grad_accum))" in out
+    assert "device" in out and "cpu" in out
+
+
+def test_inspect_config_auto_device(tmp_path):
+    result = invoke("inspect-config", write_recipe(tmp_path, runtime={}))
+    assert result.exit_code == 0, result.output
+    assert "auto (cuda if available, else cpu)" in result.output
+
+
+def test_overrides_are_applied(tmp_path):
+    result = invoke(
+        "inspect-config",
+        write_recipe(tmp_path),
+        "max_steps=7",
+        "launch.nnodes=2",
+        "optimization.parallel.strategy=fsdp1",
+        "my_model.depth=5",
+    )
+    assert result.exit_code == 0, result.output
+    assert "max_steps: 7" in result.output
+    assert "strategy: 'fsdp1'" in result.output
+    assert "depth: 5" in result.output
+    assert "4 (nproc_per_node * nnodes)" in result.output
+
+
+def test_override_values_are_yaml():
+    data = {"a": {"b": 1}}
+    problems = apply_overrides(data, ["a.b=3", "a.c=[1, 2]", "a.d=null", "e.f=text", "g=1e-4"])
+    assert problems == []
+    assert data == {"a": {"b": 3, "c": [1, 2], "d": None}, "e": {"f": "text"}, "g": 1e-4}
+
+
+def test_override_errors_are_listed():
+    data = {"lr": 0.1}
+    problems = apply_overrides(data, ["noequals", "lr.x=1", "=3", "ok=[1,"])
+    assert len(problems) == 4
+    assert "has no '='" in problems[0]
+    assert "'lr' is a float, not a section" in problems[1]
+    assert "empty key" in problems[2]
+    assert "not valid YAML" in problems[3]
+
+
+def test_every_error_is_listed(tmp_path):
+    result = invoke(
+        "inspect-config",
+        write_recipe(tmp_path),
+        "launch.nproc_per_node=0",
+        "launch.nprocs=2",
+        "optimization.precision.cast_model=fp8",
+        "oops",
+    )
+    assert result.exit_code == 2
+    out = result.output
+    assert "Error to load config, found the following problems:" in out
+    assert "- field 'launch.nproc_per_node': Input should be greater than or equal to 1" in out
+    assert "- field 'launch.nprocs': Extra inputs are not permitted" in out
+    assert "- field 'optimization.precision.cast_model': Input should be" in out
+    assert "override 'oops' has no '='" in out
+    assert "Please check your configuration." in out
+    assert "Traceback" not in out
+
+
+def test_load_recipe_error_lists_launch_and_config_together(tmp_path):
+    path = write_recipe(tmp_path)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, ["launch.rdzv_backend=etcd", "ema.decay=2"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Error to load config, found the following problems:"
+    assert lines[1].startswith("  - field 'launch.rdzv_backend': Input should be 'c10d'")
+    assert lines[2] == "  - field 'ema.decay': Input should be less than or equal to 1"
+    assert lines[-1] == "Please check your configuration."
+
+
+def test_missing_launch_entry(tmp_path):
+    with pytest.raises(RecipeError, match=r"field 'launch\.entry': Field required"):
+        load_recipe(write_recipe(tmp_path, "max_steps: 2\n"))
+
+
+def test_missing_recipe_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    result = invoke("inspect-config", missing)
+    assert result.exit_code == 2
+    assert str(missing) in result.output.replace("\n", "").replace("│", "")
+    assert "does not exist" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_non_mapping_recipe(tmp_path):
+    result = invoke("launch", write_recipe(tmp_path, "- just\n- a list\n"))
+    assert result.exit_code == 2
+    assert "holds a list, not a mapping" in result.output
+
+
+def test_missing_entry_file_names_path_and_fix(tmp_path):
+    path = write_recipe(tmp_path, launch={"entry": "missing_entry.py"})
+    result = invoke("inspect-config", path)
+    assert result.exit_code == 2
+    assert str(tmp_path / "missing_entry.py") in result.output
+    assert "relative to the recipe folder" in result.output
+
+
+def test_missing_entry_module(tmp_path):
+    with pytest.raises(RecipeError, match=r"module 'no_such_pkg_xyz\.mod' not found"):
+        load_recipe(write_recipe(tmp_path, launch={"entry": "no_such_pkg_xyz.mod"}))
+
+
+def test_relative_entry_resolves_against_recipe_folder(tmp_path):
+    (tmp_path / "my_entry.py").write_text("")
+    recipe = load_recipe(write_recipe(tmp_path, launch={"entry": "my_entry.py"}))
+    assert recipe.base_dir == tmp_path
+    assert recipe.launch.recipe_dir == str(tmp_path)
+
+
+def test_batch_that_does_not_divide_is_an_error(tmp_path):
+    result = invoke("inspect-config", write_recipe(tmp_path), "global_batch_size=6")
+    assert result.exit_code == 2
+    assert "field 'global_batch_size': 6 is not divisible" in result.output
+
+
+def test_node_rank_must_be_below_nnodes(tmp_path):
+    with pytest.raises(RecipeError, match=r"'launch\.node_rank': 2 must be below nnodes"):
+        load_recipe(write_recipe(tmp_path), ["launch.nnodes=2", "launch.node_rank=2"])
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def test_torchrun_args_one_node():
+    spec = LaunchSpec(entry="m", nproc_per_node=4)
+    args = torchrun_args(spec, Path("/r/recipe.resolved.yaml"))
+    assert args == [
+        "--standalone",
+        "--nproc_per_node", "4",
+        "--max_restarts", "0",
+        "--monitor_interval", "0.1",
+        "-m", "litegen_cli.worker", "/r/recipe.resolved.yaml",
+    ]  # fmt: skip
+
+
+def test_torchrun_args_two_nodes():
+    spec = LaunchSpec(
+        entry="m", nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="n01:29400",
+        rdzv_id="job7", max_restarts=2,
+    )  # fmt: skip
+    args = torchrun_args(spec, Path("r.yaml"))
+    assert "--standalone" not in args
+    assert args[:10] == [
+        "--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "n01:29400", "--rdzv_id", "job7",
+    ]  # fmt: skip
+    assert args[args.index("--max_restarts") + 1] == "2"
+    assert args[args.index("--nproc_per_node") + 1] == "8"
+    assert args[-3:] == ["-m", "litegen_cli.worker", "r.yaml"]
+
+
+def test_torchrun_args_parse_with_torch():
+    from torch.distributed.run import get_args_parser
+
+    spec = LaunchSpec(entry="m", nnodes=2, node_rank=1, rdzv_endpoint="h:1234", rdzv_id="x")
+    ns = get_args_parser().parse_args(torchrun_args(spec, Path("r.yaml")))
+    assert (ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.rdzv_id) == ("2", 1, "h:1234", "x")
+    assert ns.module and ns.training_script == "litegen_cli.worker"
+    assert ns.training_script_args == ["r.yaml"]
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "my_entry.py").write_text("")
+    recipe = load_recipe(
+        write_recipe(tmp_path / "src", launch={"entry": "my_entry.py"}), ["max_steps=9"]
+    )
+    resolved = write_resolved_recipe(recipe)
+    assert resolved == tmp_path / "src" / "results" / "recipe.resolved.yaml"
+    again = load_recipe(resolved, env={})
+    # The copy lives in the results dir, yet the entry still resolves from the recipe folder.
+    assert again.base_dir == tmp_path / "src"
+    assert again.config.max_steps == 9
+    assert again.config.to_dict() == recipe.config.to_dict()
+    assert not list(resolved.parent.glob(".*.tmp"))
+
+
+def test_child_failure_summary():
+    err = SimpleNamespace(
+        name="litegen_cli.worker",
+        failures={
+            1: SimpleNamespace(message={"message": "ValueError: bad"}, exitcode=1),
+            0: SimpleNamespace(message="", exitcode=-9, signal_name=lambda: "SIGKILL"),
+        },
+    )
+    summary = _summarize(err)
+    assert summary.failures == [
+        RankFailure(0, -9, "killed by signal SIGKILL"),
+        RankFailure(1, 1, "ValueError: bad"),
+    ]
+
+
+def test_launch_failure_exits_1_with_summary(tmp_path, monkeypatch):
+    def failing_launch(recipe):
+        raise LaunchFailed("1 rank(s) of litegen_cli.worker failed", [RankFailure(0, 1, "boom")])
+
+    monkeypatch.setattr(launcher, "launch", failing_launch)
+    result = invoke("launch", write_recipe(tmp_path))
+    assert result.exit_code == 1
+    assert "rank 0: exit code 1: boom" in result.output
+    assert "Traceback" not in result.output
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "4",
+    "SLURM_NODEID": "3",
+    "SLURM_JOB_NODELIST": "gpu[07-10]",
+}
+
+
+def test_slurm_env_fills_launch(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path), ["launch.rdzv_endpoint=localhost:29700"], SLURM)
+    spec = recipe.launch
+    assert (spec.nnodes, spec.node_rank, spec.rdzv_id) == (4, 3, "4242")
+    assert spec.rdzv_endpoint == "gpu07:29700"  # host from SLURM, port from the recipe
+
+
+def test_slurm_master_addr_wins_over_nodelist():
+    out = apply_slurm_env({"entry": "m"}, {**SLURM, "MASTER_ADDR": "10.0.0.5"})
+    assert out["rdzv_endpoint"] == "10.0.0.5:29500"
+
+
+def test_recipe_fields_win_over_slurm():
+    launch = {"entry": "m", "nnodes": 2, "rdzv_id": "mine", "rdzv_endpoint": "head:1"}
+    out = apply_slurm_env(launch, SLURM)
+    assert (out["nnodes"], out["rdzv_id"], out["rdzv_endpoint"]) == (2, "mine", "head:1")
+    assert out["node_rank"] == "3"
+
+
+def test_no_slurm_no_change(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert apply_slurm_env({"entry": "m"}, {"SLURM_NNODES": "4"}) == {"entry": "m"}
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("MASTER_ADDR", "head")
+    spec = load_recipe(write_recipe(tmp_path)).launch  # reads os.environ by default
+    assert (spec.nnodes, spec.node_rank, spec.rdzv_endpoint) == (2, 1, "head:29500")
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [
+        ("a01,a02", "a01"),
+        ("node[3-5]", "node3"),
+        ("node[03-05,09]", "node03"),
+        ("head,gpu[1-2]", "head"),
+        ("single", "single"),
+        ("", None),
+        ("[weird", None),
+    ],
+)
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+# ----------------------------------------------------------------------------- help, fast start
+
+
+def test_help():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    assert "launch" in result.output and "inspect-config" in result.output
+    for command in ("launch", "inspect-config"):
+        sub = invoke(command, "--help")
+        assert sub.exit_code == 0
+        assert "RECIPE" in sub.output and "KEY=VALUE" in sub.output
+
+
+def test_help_and_inspect_config_do_not_import_torch(tmp_path):
+    recipe = write_recipe(tmp_path)
+    snippet = textwrap.dedent(
+        f"""
+        import sys
+        from typer.testing import CliRunner
+        from litegen_cli.app import app
+
+        runner = CliRunner()
+        assert runner.invoke(app, ["--help"]).exit_code == 0
+        result = runner.invoke(app, ["inspect-config", {str(recipe)!r}])
+        assert result.exit_code == 0, result.output
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not loaded, loaded[:5]
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_numbers(tmp_path):
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
+    assert (plan.world_size, plan.dp_size, plan.micro_batch) == (4, 4, 1)
+    assert plan.strategy == "ddp" and plan.device == "cpu"

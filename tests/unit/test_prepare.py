@@ -1,0 +1,133 @@
+"""initialize and prepare in one process: order, rejections, init/resume, save and load."""
+
+import pytest
+import torch
+from torch import nn
+
+import litegen
+from litegen.utils.config import MainConfig
+
+
+def make_gen(tmp_path, **fields):
+    config = MainConfig.from_dict(
+        {"runtime": {"device": "cpu"}, "results_dir": str(tmp_path), "exp_name": "exp", **fields}
+    )
+    return litegen.initialize(config)
+
+
+def pairs(n=8):
+    return [(torch.randn(3), torch.randn(2)) for _ in range(n)]
+
+
+def test_initialize_rejects_anything_but_a_main_config():
+    with pytest.raises(TypeError, match=r"MainConfig\.load_yaml"):
+        litegen.initialize({"runtime": {"device": "cpu"}})
+
+
+def test_results_come_back_in_argument_order_with_models_first(tmp_path):
+    gen = make_gen(tmp_path, global_batch_size=4)
+    model, frozen = nn.Linear(3, 2), nn.Linear(2, 2).requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The optimizer comes before its model: prepare still wraps the model first.
+    out_opt, loader, out_frozen, out_model = gen.prepare(optimizer, pairs(), frozen, model)
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert isinstance(out_model, nn.parallel.DistributedDataParallel)
+    assert gen.unwrap(out_model) is model and out_opt is optimizer
+    assert out_frozen is frozen and not frozen.training
+    assert {id(p) for p in out_opt.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    data, target = next(iter(loader))
+    assert data.shape == (4, 3) and target.shape == (4, 2)
+
+
+def test_functions_and_odd_objects_are_rejected_by_position(tmp_path):
+    gen = make_gen(tmp_path)
+    vae = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"prepare argument 1 is a builtins.method"):
+        gen.prepare(vae, vae.forward)
+    with pytest.raises(TypeError, match=r"prepare argument 0 is a builtins.int"):
+        gen.prepare(3)
+
+
+def test_an_optimizer_without_its_model_is_an_error(tmp_path):
+    gen = make_gen(tmp_path)
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="no prepared model"):
+        gen.prepare(nn.Linear(2, 2), optimizer)
+
+
+@pytest.mark.parametrize("filename", [None, "weights.safetensors"])
+def test_save_model_then_init_from_and_load(tmp_path, filename):
+    gen = make_gen(tmp_path)
+    source = nn.Linear(3, 2)
+    prepared = gen.prepare(source)
+    path = gen.save_model(filename=filename, step=5)
+    assert path.name == (filename or "exp_step5.pth")
+    assert path.parent == tmp_path
+
+    gen2 = make_gen(tmp_path, init_from=str(path))
+    fresh = gen2.prepare(nn.Linear(3, 2))
+    torch.testing.assert_close(gen2.unwrap(fresh).weight, source.weight)
+
+    other = gen2.prepare(nn.Linear(3, 2))
+    gen2.load(other, path)
+    torch.testing.assert_close(gen2.unwrap(other).bias, source.bias)
+    assert prepared is not None
+
+
+def test_resume_from_restores_weights_and_optimizer_state(tmp_path):
+    gen = make_gen(tmp_path)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = gen.prepare(model, optimizer)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    gen.save_model(step=1)
+    gen.save_optimizer(step=1)
+
+    gen2 = make_gen(tmp_path, resume_from=str(tmp_path / "exp_step1.pth"))
+    model2 = nn.Linear(3, 2)
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    model2, optimizer2 = gen2.prepare(model2, optimizer2)
+    torch.testing.assert_close(gen2.unwrap(model2).weight, gen.unwrap(model).weight)
+    state = optimizer2.state[gen2.unwrap(model2).weight]
+    torch.testing.assert_close(
+        state["exp_avg"], optimizer.state[gen.unwrap(model).weight]["exp_avg"]
+    )
+
+
+def test_loading_a_mismatched_checkpoint_names_file_and_keys(tmp_path):
+    gen = make_gen(tmp_path)
+    gen.prepare(nn.Linear(3, 2))
+    path = gen.save_model()
+    with pytest.raises(
+        ValueError,
+        match=r"exp.pth does not match the model.*weight: file \(2, 3\) vs model \(4, 3\)",
+    ):
+        make_gen(tmp_path, init_from=str(path)).prepare(nn.Linear(3, 4))
+    with pytest.raises(FileNotFoundError, match=r"missing\.pth"):
+        make_gen(tmp_path, init_from=str(tmp_path / "missing.pth")).prepare(nn.Linear(3, 2))
+
+
+def test_ema_tracks_the_weights_and_saves_by_name(tmp_path):
+    gen = make_gen(tmp_path, ema={"enable": True, "decay": 0.5})
+    model = nn.Linear(3, 2)
+    start = model.weight.detach().clone()
+    model = gen.prepare(model)
+    with torch.no_grad():
+        gen.unwrap(model).weight.add_(2.0)
+    gen.update_ema()
+    torch.testing.assert_close(gen.full_ema_state()["weight"], start + 1.0)
+    gen.update_ema(decay=0.0)
+    torch.testing.assert_close(gen.full_ema_state()["weight"], start + 2.0)
+    assert gen.save_ema(step=3).name == "exp_step3.ema.pth"
+
+
+def test_global_batch_must_divide_over_ranks_and_accumulation(tmp_path):
+    gen = make_gen(tmp_path, global_batch_size=6, trainer={"grad_accum_steps": 4})
+    with pytest.raises(ValueError, match="global_batch_size=6 must be a multiple"):
+        gen.prepare(pairs())
+
+
+def test_reserved_parallel_degrees_raise(tmp_path):
+    with pytest.raises(NotImplementedError, match="sp_size"):
+        make_gen(tmp_path, optimization={"parallel": {"sp_size": 2}})
