@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from litegen.parallel.fsdp2 import clean_name
 from litegen.parallel.wrap import plan_units
 from litegen.utils.config_sections import FSDP2Config
 from tests.distributed.harness import run_ranks
@@ -60,7 +61,7 @@ def build(freeze: tuple[str, ...] = ()):
 
 def group_summary(optimizer, model) -> list[dict]:
     """Per group: hyperparameters and the names of the model parameters it holds."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
     return [
         {
             "lr": g["lr"],
@@ -256,8 +257,10 @@ def test_size_based_plan_counts_unclaimed_parameters_bottom_up():
     assert plan_units(model, whole_block) == ["blocks.0", "blocks.1", "blocks.2"]
     # attn and mlp reach this threshold; what they leave of one block (norms, ada) does not,
     # but the three leftovers together do, so the ModuleList becomes a unit around them.
-    mlp = sum(p.numel() for p in model.blocks[0].mlp.parameters())
-    units = plan_units(model, cfg(wrap_strategy="size_based", min_num_params=mlp))
+    threshold = min(
+        sum(p.numel() for p in model.blocks[0].get_submodule(m).parameters()) for m in ("attn", "mlp")
+    )
+    units = plan_units(model, cfg(wrap_strategy="size_based", min_num_params=threshold))
     assert units == [f"blocks.{i}.{m}" for i in range(3) for m in ("attn", "mlp")] + ["blocks"]
     total = sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match=f"min_num_params={total}"):

@@ -111,6 +111,36 @@ def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     render.console.print(render.plan_table(derive_plan(loaded)))
 
 
+cache_app = typer.Typer(
+    help="Tensor caches (VAE latents, text embeddings) of a recipe.", no_args_is_help=True
+)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("build")
+def cache_build(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="Samples per encode_fn call.")
+    ] = 64,
+) -> None:
+    """Fill RECIPE's tensor cache ahead of training, in this one process.
+
+    The entry module defines build_cache(config) returning (cache, dataset, encode_fn[, keys]);
+    every sample the cache lacks is encoded, then hits, misses and bytes are printed.
+    """
+    from litegen_cli.cache_build import build_recipe_cache, report_table  # imports torch
+
+    loaded = load_or_exit(recipe, overrides)
+    try:
+        report = build_recipe_cache(loaded, batch_size=batch_size)
+    except ValueError as err:
+        render.print_error("Cannot build the cache", [str(err)])
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    render.console.print(report_table(report))
+
+
 def main() -> None:
     """Console-script entry point (`litegen`).
 

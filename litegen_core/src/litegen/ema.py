@@ -1,53 +1,164 @@
-"""Exponential moving average of a trainable model's weights.
+"""Sharded exponential moving average (EMA) of a trainable model's weights.
 
-The average lives in FP32 beside the model and is updated with one fused ``lerp`` pass and no
-communication. This first version keeps a full replica on every rank.
+Every EMA tensor is an FP32 shard laid out as a DTensor:
+
+- FSDP2 / HSDP parameters already are DTensors; the EMA keeps an FP32 copy of the local shard,
+  with the same mesh and placements.
+- Replicated parameters (ddp, zero1, zero2) are split on dim 0 over the data-parallel ranks
+  (``Shard(0)``, the layout FSDP2 uses), so each rank keeps about 1/dp of the average.
+- With ``ema.sharded: false`` the EMA is a full FP32 replica on every rank.
+
+Updates are one fused ``lerp`` over local tensors, without communication. When the optimizer
+keeps FP32 master weights (``state[p]["master"]``), the EMA follows them rather than the
+low-precision parameters. Gathering (``state_dict``) and DCP resharding come from DTensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+
+@dataclass
+class _Slot:
+    """One parameter's EMA: the FP32 local shard and where that shard sits globally."""
+
+    name: str
+    param: nn.Parameter
+    local: Callable[[torch.Tensor], torch.Tensor]  # parameter or master -> this rank's piece
+    ema: torch.Tensor
+    mesh: DeviceMesh | None  # None: a full replica
+    placements: tuple
+
+    def as_dtensor(self) -> torch.Tensor:
+        if self.mesh is None:
+            return self.ema
+        return DTensor.from_local(
+            self.ema,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.param.shape,
+            stride=self.param.stride(),
+        )
+
+
+def _dim0_piece(rank: int, world: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rows of a full tensor that ``Shard(0)`` gives ``rank`` (``torch.chunk`` sizes)."""
+
+    def piece(full: torch.Tensor) -> torch.Tensor:
+        if full.dim() == 0:
+            return full.reshape(1)[: 1 if rank == 0 else 0]
+        chunks = torch.chunk(full, world, dim=0)
+        return chunks[rank] if rank < len(chunks) else full[full.shape[0] :]
+
+    return piece
+
+
+def _to_local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class EMA:
-    """An FP32 moving average of ``model``'s parameters (and a copy of its buffers).
+    """An FP32 moving average of ``model``'s parameters, sharded like the strategy's layout.
 
     Example:
-        >>> ema = EMA(model)
-        >>> ema.update(model, decay=0.999)
-        >>> ema.state_dict()["weight"].dtype
-        torch.float32
+        >>> ema = EMA(model, mesh=dp_mesh(plan), optimizer=optimizer)  # ema.sharded: true
+        >>> ema.update(decay=0.999)
+        >>> full = ema.state_dict()  # collective: every rank calls it
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.names = [name for name, _ in model.named_parameters()]
-        self.params = [p.detach().float().clone() for _, p in model.named_parameters()]
-        self.buffer_names = [name for name, _ in model.named_buffers()]
-        self.buffers = [b.detach().clone() for _, b in model.named_buffers()]
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh | None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sharded: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.slots: list[_Slot] = []
+        for name, param in model.named_parameters():
+            if not sharded:
+                # A full replica; a sharded parameter is gathered at every update.
+                local, slot_mesh, placements = _full, None, ()
+            elif isinstance(param, DTensor):
+                local, slot_mesh, placements = _to_local, param.device_mesh, param.placements
+            elif mesh is not None and param.dim() > 0:
+                rank, world = mesh.get_local_rank(), mesh.size()
+                local, slot_mesh, placements = _dim0_piece(rank, world), mesh, (Shard(0),)
+            else:
+                local, slot_mesh, placements = (lambda t: t), None, ()
+            ema = local(param.detach()).float().clone()
+            self.slots.append(_Slot(name, param, local, ema, slot_mesh, placements))
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+
+    def _source(self, slot: _Slot) -> torch.Tensor:
+        """The current value of the slot's piece: the FP32 master when the optimizer has one."""
+        state = self.optimizer.state.get(slot.param) if self.optimizer is not None else None
+        master = state.get("master") if state else None
+        if master is not None and master.shape == slot.param.shape:
+            return slot.local(master.detach())
+        if master is not None and master.shape == slot.ema.shape:
+            return _to_local(master.detach())
+        return slot.local(slot.param.detach())
 
     @torch.no_grad()
-    def update(self, model: nn.Module, decay: float) -> None:
-        current = [p.detach().float() for p in model.parameters()]
-        # ema = decay * ema + (1 - decay) * param, all tensors in one foreach kernel.
-        torch._foreach_lerp_(self.params, current, 1.0 - decay)
-        for mine, theirs in zip(self.buffers, model.buffers(), strict=True):
-            mine.copy_(theirs)
+    def update(self, decay: float) -> None:
+        """``ema = decay * ema + (1 - decay) * weights`` over all local shards at once."""
+        sources = [self._source(s).float() for s in self.slots]
+        torch._foreach_lerp_([s.ema for s in self.slots], sources, 1.0 - decay)
+        for name, buffer in self.model.named_buffers():
+            self.buffers[name].copy_(buffer)
 
+    # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {n: p.cpu() for n, p in zip(self.names, self.params, strict=True)}
-        state.update({n: b.cpu() for n, b in zip(self.buffer_names, self.buffers, strict=True)})
+        """The whole average on CPU, keyed like the model. Collective for sharded slots."""
+        state = {}
+        for slot in self.slots:
+            tensor = slot.as_dtensor()
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            state[slot.name] = full.detach().cpu()
+        state.update({name: b.cpu() for name, b in self.buffers.items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, tensor in zip(
-            self.names + self.buffer_names, self.params + self.buffers, strict=True
-        ):
-            tensor.copy_(state[name])
+        """Load a full average (every rank passes the same dict); each rank keeps its piece."""
+        missing = [s.name for s in self.slots if s.name not in state]
+        if missing:
+            raise ValueError(f"EMA state lacks parameters {missing[:5]}; was it saved from this model?")
+        for slot in self.slots:
+            full = state[slot.name].to(slot.ema.device, torch.float32)
+            if slot.mesh is None:
+                slot.ema.copy_(full)
+            elif isinstance(slot.param, DTensor):
+                piece = distribute_tensor(full, slot.mesh, slot.placements).to_local()
+                slot.ema.copy_(piece)
+            else:
+                slot.ema.copy_(slot.local(full))
+        for name, buffer in self.buffers.items():
+            if name in state:
+                buffer.copy_(state[name])
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
-        """The tensors DCP saves and loads in place (no copies)."""
-        return dict(zip(self.names + self.buffer_names, self.params + self.buffers, strict=True))
+        """DTensors over the local shards, which ``dcp.save``/``dcp.load`` reshard in place."""
+        state = {slot.name: slot.as_dtensor() for slot in self.slots}
+        state.update(self.buffers)
+        return state
 
     def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to do: ``dcp.load`` already wrote into the tensors of :meth:`dcp_state`."""
+        """Nothing to copy: ``dcp.load`` wrote into the local shards behind :meth:`dcp_state`."""
+
+    def local_bytes(self) -> int:
+        """Bytes of EMA parameter state this rank holds."""
+        return sum(s.ema.numel() * s.ema.element_size() for s in self.slots)

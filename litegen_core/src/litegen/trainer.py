@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
@@ -23,8 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.utils.data import DataLoader
 
+from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
 from litegen.entry import load_entry
 from litegen.metrics import MetricsLogger
 from litegen.runtime.litegen import LiteGen, initialize
@@ -48,6 +51,7 @@ class Trainer:
         gen: LiteGen,
         train_step: Callable[..., torch.Tensor],
         parts: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
     ) -> None:
         self.gen = gen
         self.config = gen.config
@@ -69,6 +73,16 @@ class Trainer:
         self.models = [m.module for m in gen.models if m.trainable]
         self.step = getattr(self.loader.batch_sampler, "start_step", 0)
         self._step_kwargs = _keyword_filter(train_step)
+        # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
+        self.run_info = dict(run_info or {})
+        self.checkpointer = RunCheckpointer(
+            gen,
+            self.config.get_checkpoint_dir(),
+            keep_last=self.config.trainer.keep_last,
+            async_save=self.config.trainer.async_checkpoint,
+        )
+        self._resume_checked = False
+        self._restore_after_iter: dict[str, Any] | None = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
@@ -117,7 +131,15 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> list[float]:
-        """Train from the current step to ``max_steps``; returns the logged mean losses."""
+        """Train from the current step to ``max_steps``; returns the logged mean losses.
+
+        It first continues from a run checkpoint when ``trainer.resume_run``, ``auto_resume`` or
+        a torchrun restart asks for one (see :meth:`resume_source`).
+        """
+        if not self._resume_checked:
+            source = self.resume_source()
+            if source is not None:
+                self.resume(source)
         cfg = self.config.trainer
         accum = cfg.grad_accum_steps
         samples_per_step = self.config.global_batch_size
@@ -125,6 +147,11 @@ class Trainer:
             model.train()
         losses: list[float] = []
         batches = iter(self.loader)
+        if self._restore_after_iter is not None:
+            # Creating the iterator draws a worker seed from the RNG; the saved states are
+            # those after that draw in the original run, so they go back only now.
+            self._restore_rng(self._restore_after_iter)
+            self._restore_after_iter = None
         last_log = (time.perf_counter(), self.step)
         with MetricsLogger(
             self.config.get_results_dir(),
@@ -137,13 +164,14 @@ class Trainer:
                 for micro in range(accum):
                     batch = next(batches)
                     loss_sum += self._micro_step(batch, last=micro == accum - 1, accum=accum)
-                if not self._all_finite(loss_sum):
-                    self._handle_nonfinite(loss_sum)
-                    continue
-                grad_norm = self._optimizer_step()
+                finite = self._all_finite(loss_sum)
+                # A skipped step still consumed its batches: the step (the sampler's cursor)
+                # advances either way, so logging, checkpoints and resume stay aligned.
+                grad_norm = self._optimizer_step() if finite else self._handle_nonfinite()
                 self._zero_grad()
                 self.step += 1
-                if self.step % cfg.log_every == 0 or self.step == self.config.max_steps:
+                logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
+                if finite and logged:
                     dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
                     mean_loss = loss_sum.item() / accum
                     losses.append(mean_loss)
@@ -158,20 +186,88 @@ class Trainer:
                 else:
                     metrics.advance(self.step)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint(step=self.step)
+                    self.save_run_checkpoint()
+        self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
         return losses
 
-    def _handle_nonfinite(self, loss_sum: torch.Tensor) -> None:
+    def _handle_nonfinite(self) -> None:
+        """Abort, or skip the step: no optimizer, scheduler or EMA update (grads are dropped)."""
         message = f"the loss is not finite at step {self.step + 1} on at least one rank"
         if self.config.trainer.on_nan == "abort":
             raise FloatingPointError(
                 f"{message}; training stopped (set trainer.on_nan: skip to skip such steps)."
             )
         log.warning("%s; skipping this step (trainer.on_nan: skip).", message)
-        self._zero_grad()
-        self.step += 1
+
+    # -- run checkpoints and resume -----------------------------------------------------------
+    def resume_source(self) -> Path | None:
+        """The run checkpoint :meth:`fit` continues from, the same on every rank (or None).
+
+        After a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) and with ``auto_resume``
+        it is the latest complete one in ``checkpoint_dir``; otherwise ``trainer.resume_run``.
+        """
+        self._resume_checked = True
+        choice: list[str | None] = [None]
+        if self.gen.is_main_process:
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+            explicit = self.config.trainer.resume_run
+            if restarted or (self.config.auto_resume and not explicit):
+                latest = find_latest(self.config.get_checkpoint_dir())
+                choice[0] = str(latest) if latest else None
+            if choice[0] is None and explicit:
+                choice[0] = explicit
+        # Rank 0 decides: ranks reading the folder at slightly different times must agree.
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a run checkpoint: weights, optimizer, EMA, step, data position, RNG.
+
+        Example:
+            >>> trainer.resume("results/dit/step_1000"); trainer.fit()
+        """
+        self._resume_checked = True
+        state = self.checkpointer.load(path)
+        if len(state["schedulers"]) != len(self.schedulers):
+            raise ValueError(
+                f"run checkpoint {path} holds {len(state['schedulers'])} LR scheduler(s), this "
+                f"run has {len(self.schedulers)}; build the same schedulers to resume."
+            )
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
+        self.step = int(state["step"])
+        sampler = self.loader.batch_sampler
+        if hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict({"start_step": self.step})
+        else:
+            log.warning("the loader's batch sampler cannot resume; the data order restarts.")
+        self._restore_after_iter = state
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's part of a run checkpoint (the model side goes through DCP)."""
+        generator = self.loader.generator
+        return {
+            "step": self.step,
+            "world_size": dist.get_world_size(),
+            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
+            "rng": capture_rng(self.gen.device),
+            "loader_generator": generator.get_state() if generator is not None else None,
+        }
+
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        restore_rng(state["rng"], self.gen.device)
+        if self.loader.generator is not None and state.get("loader_generator") is not None:
+            self.loader.generator.set_state(state["loader_generator"])
+
+    def save_run_checkpoint(self) -> None:
+        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
+        files = {"config.yaml": self.config.to_yaml()}
+        if self.run_info:
+            files["launch.yaml"] = yaml.safe_dump(self.run_info, sort_keys=False)
+        self.checkpointer.save(self.step, self._rank_state(), files)
 
     def save_checkpoint(self, step: int | None) -> None:
         """Model, optimizer and (when enabled) EMA files, named by the spec's rules."""
@@ -216,7 +312,7 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     prepared = gen.prepare(*(built[name] for name in names))
     parts = dict(built)
     parts.update(zip(names, prepared if len(names) > 1 else [prepared], strict=True))
-    trainer = Trainer(gen, module.train_step, parts)
+    trainer = Trainer(gen, module.train_step, parts, run_info=_launch_info(entry, base_dir))
     losses = trainer.fit()
     finish = getattr(module, "finish", None)
     if callable(finish):
@@ -224,6 +320,22 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
         finish(**_keyword_filter(finish, skip_first=False)(kwargs))
     dist.barrier()
     return losses
+
+
+def _launch_info(entry: str, base_dir: str | Path | None) -> dict[str, Any]:
+    """The `launch:` fields `litegen resume` needs to start this run again (from torchrun's env)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    info: dict[str, Any] = {
+        "entry": entry,
+        "nproc_per_node": local,
+        "nnodes": max(1, world // local),
+    }
+    if base_dir is not None:
+        info["recipe_dir"] = str(Path(base_dir).absolute())
+    if "TORCHELASTIC_MAX_RESTARTS" in os.environ:
+        info["max_restarts"] = int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    return info
 
 
 __all__ = ["Trainer", "run_entry"]

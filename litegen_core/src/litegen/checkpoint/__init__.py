@@ -1,4 +1,4 @@
-"""Checkpoint files: naming rules, atomic writes, validated loads."""
+"""Checkpoint files: naming rules, atomic writes, validated loads; run checkpoints (folders)."""
 
 from litegen.checkpoint.files import (
     atomic_write,
@@ -8,12 +8,28 @@ from litegen.checkpoint.files import (
     optimizer_path_for,
     save_state,
 )
+from litegen.checkpoint.run_state import (
+    RunCheckpointer,
+    capture_rng,
+    find_latest,
+    list_checkpoints,
+    resolve_checkpoint,
+    restore_rng,
+    step_dir_name,
+)
 
 __all__ = [
+    "RunCheckpointer",
     "atomic_write",
+    "capture_rng",
     "check_model_state",
     "checkpoint_path",
+    "find_latest",
+    "list_checkpoints",
     "load_state",
     "optimizer_path_for",
+    "resolve_checkpoint",
+    "restore_rng",
     "save_state",
+    "step_dir_name",
 ]

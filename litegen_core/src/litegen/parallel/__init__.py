@@ -14,6 +14,8 @@ from litegen.parallel.plan import ParallelPlan
 # strategy name -> "module:Class"; a strategy is added by one line here and one module.
 STRATEGIES: dict[str, str] = {
     "ddp": "litegen.parallel.ddp:DDPStrategy",
+    "zero1": "litegen.parallel.zero1:Zero1Strategy",
+    "zero2": "litegen.parallel.zero2:Zero2Strategy",
     "fsdp1": "litegen.parallel.fsdp1:Fsdp1Strategy",
     "fsdp2": "litegen.parallel.fsdp2:Fsdp2Strategy",
     "hsdp": "litegen.parallel.fsdp2:HsdpStrategy",

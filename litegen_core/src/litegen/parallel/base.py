@@ -96,6 +96,19 @@ class Strategy:
             model, optimizer, state, options=StateDictOptions(full_state_dict=True)
         )
 
+    # -- EMA ----------------------------------------------------------------------------------
+    def build_ema(self, model: nn.Module, optimizer=None, *, sharded: bool = True):
+        """The EMA of ``model``: FP32 shards in this strategy's layout (see ``litegen.ema``).
+
+        Replicated parameters are split on dim 0 over the data-parallel mesh; DTensor
+        parameters keep their own mesh and placements.
+        """
+        from litegen.ema import EMA
+        from litegen.parallel.mesh import dp_mesh
+
+        mesh = dp_mesh(self.plan) if sharded else None
+        return EMA(self.unwrap(model), mesh=mesh, optimizer=optimizer, sharded=sharded)
+
     # -- optimizer files (save_optimizer / resume_from) ---------------------------------------
     def save_optimizer_file(
         self, optimizer, model: nn.Module, path: Path, state_format: str

@@ -28,11 +28,16 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from litegen.memory.blocks import repeated_blocks
-from litegen.parallel.base import Strategy
+from litegen.parallel.base import FULL_STATE, Strategy
 from litegen.parallel.fsdp2 import broadcast_from_rank0, rebind_optimizer
 from litegen.precision import DTYPES
 
@@ -111,3 +116,18 @@ class Fsdp1Strategy(Strategy):
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # The root FSDP unit reduces the partial norms of every rank's shards.
         return model.clip_grad_norm_(max_norm)
+
+    # -- full state: base.py's, without offloading when the parameters already are on the CPU --
+    def _full_options(self) -> StateDictOptions:
+        # FSDP1's offload_to_cpu frees the tensors it hands out when the unsharded parameters
+        # already live on the CPU (a segfault on the next read, torch 2.13); there is nothing
+        # to offload then, so every rank gathers the full state in place.
+        return (
+            FULL_STATE if self.plan.device.type != "cpu" else StateDictOptions(full_state_dict=True)
+        )
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(model, options=self._full_options())
+
+    def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optimizer, options=self._full_options())

@@ -79,7 +79,7 @@ def configure_if_available(optimizer: torch.optim.Optimizer, optimization) -> to
         return optimizer
     from litegen.optim import configure_optimizer
 
-    return configure_optimizer(optimizer, optimization)
+    return configure_optimizer(optimizer, optimization.optimizer)
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

@@ -71,7 +71,6 @@ class LiteGen:
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
-        self._ema_model: PreparedModel | None = None
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -132,11 +131,23 @@ class LiteGen:
         if self.config.ema.enable and self.ema is None:
             trainable = [m for m in prepared if m.trainable]
             if trainable:
-                self._ema_model = trainable[0]
-                self.ema = EMA(strategy.unwrap(trainable[0].module))
+                self._build_ema(trainable[0])
         if self.config.resume_from and any(m.trainable for m in prepared):
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
+
+    def _build_ema(self, entry: PreparedModel) -> None:
+        """EMA of the first trainable model, following its optimizer's master weights if any."""
+        ema_cfg = self.config.ema
+        optimizer = entry.optimizers[0] if entry.optimizers else None
+        self.ema = entry.strategy.build_ema(entry.module, optimizer, sharded=ema_cfg.sharded)
+        if ema_cfg.resume_from:
+            state = load_state(ema_cfg.resume_from, what="ema.resume_from")
+            model = entry.strategy.unwrap(entry.module)
+            expected = {n: p for n, p in model.named_parameters()}
+            expected.update(model.named_buffers())
+            check_model_state(expected, state, ema_cfg.resume_from)
+            self.ema.load_state_dict(state)
 
     def _prepare_model(
         self, model: nn.Module, strategy, optimization, *, first: bool
@@ -155,6 +166,13 @@ class LiteGen:
             memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
             if optimization.memory.activation_checkpoint.enabled:
                 log.info("%s: %s", type(model).__name__, memory.describe())
+            if optimization.compile.enabled:
+                # After checkpointing (each compiled block holds its checkpoint) and before the
+                # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
+                from litegen.compile import compile_blocks
+
+                compiled = compile_blocks(model, optimization.compile)
+                log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             return PreparedModel(strategy.wrap_model(model), strategy, trainable=True)
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
 
@@ -199,10 +217,21 @@ class LiteGen:
         """Move the EMA towards the current weights (``ema.decay`` unless ``decay`` is given)."""
         if self.ema is None:
             raise ValueError("update_ema needs ema.enable: true and a prepared trainable model.")
-        entry = self._ema_model
-        self.ema.update(
-            entry.strategy.unwrap(entry.module), self.config.ema.decay if decay is None else decay
-        )
+        self.ema.update(self.config.ema.decay if decay is None else decay)
+
+    def attention_context(self) -> AbstractContextManager:
+        """The ``optimization.kernels.attention_backend`` context; the trainer enters it.
+
+        Custom loops enter it around forward *and* backward (checkpointing recomputes there).
+
+        Example:
+            >>> with gen.attention_context():
+            ...     loss = model(x).mean()
+            ...     loss.backward()
+        """
+        from litegen.kernels.attention import attention_context
+
+        return attention_context(self.config.optimization.kernels.attention_backend, self.device)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -306,7 +335,9 @@ class LiteGen:
         """Load full model weights (.pth or .safetensors) into a prepared model."""
         entry = self._entry(model)
         state = load_state(path, what="model")
-        check_model_state(entry.strategy.unwrap(entry.module).state_dict(), state, path)
+        # The strategy's sharded state has every key at its global shape; the unwrapped module's
+        # own state_dict() does not under FSDP1 (flat shards, and it breaks FSDP1's lazy init).
+        check_model_state(entry.strategy.dcp_state(entry.module)["model"], state, path)
         entry.strategy.load_full_model_state(entry.module, state)
 
     def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:

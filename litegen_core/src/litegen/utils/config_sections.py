@@ -323,7 +323,10 @@ class OptimizerConfig(Section):
 
 
 class CompileConfig(Section):
-    """``torch.compile`` settings, reserved (``optimization.compile``)."""
+    """Regional ``torch.compile`` of the repeated blocks (``optimization.compile``).
+
+    ``dynamic: null`` bounds recompiles for variable resolutions (see docs/performance.md).
+    """
 
     enabled: bool = False
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
@@ -355,6 +358,10 @@ class KernelsConfig(Section):
     """Kernel replacements (``optimization.kernels``)."""
 
     fused_layernorm: bool = False
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = (
+        "auto"
+    )
+    """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
 
 
 @functools.cache
@@ -449,5 +456,17 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(0, ge=0, description="0: no periodic checkpoint")
     save_final: bool = True
     keep_last: int | None = Field(None, ge=1, description="None: keep every checkpoint")
+    async_checkpoint: bool = Field(
+        False, description="write run checkpoints in the background (dcp.async_save)"
+    )
+    resume_run: str | None = Field(
+        None, description="run checkpoint (step_<N> folder or checkpoint_dir) to continue from"
+    )
     on_nan: Literal["abort", "skip"] = "abort"
     autocast: Literal["bf16", "fp16"] | None = None
+    peak_tflops: float | None = Field(
+        None, gt=0, description="peak FLOP/s per GPU for MFU; None: the known-GPU table"
+    )
+    tokens_per_sample: int | None = Field(
+        None, ge=1, description="for tokens/s; None: the model's tokens_per_sample, if any"
+    )

@@ -1,0 +1,91 @@
+"""`litegen resume --from CKPT_DIR`: start a run again from the config saved in its checkpoint.
+
+The recipe is rebuilt from the checkpoint's ``config.yaml`` and ``launch.yaml`` (the entry
+module and rank layout ``litegen launch`` used), the command's overrides are applied on top,
+and ``trainer.resume_run`` is pointed at the checkpoint. The recipe is then validated and
+launched exactly like ``litegen launch`` does. torch is imported only by :func:`resume_recipe`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from litegen_cli.recipe import Recipe, RecipeError, load_recipe
+
+_IGNORED = {"launch.recipe_dir"}  # bookkeeping that `litegen` fills in, not a user choice
+
+
+def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[str]]:
+    """The recipe that continues the run in ``checkpoint``, and the fields that changed.
+
+    ``checkpoint`` is a ``step_<N>`` folder or a checkpoint_dir (its latest complete step).
+    Raises RecipeError, naming the path and the problem, for a missing, partial or corrupt
+    checkpoint; nothing is written.
+
+    Example:
+        >>> recipe, changes = resume_recipe(Path("results/dit/step_500"), ["max_steps=2000"])
+        >>> changes  # doctest: +SKIP
+        ['max_steps: 1000 -> 2000']
+    """
+    from litegen.checkpoint.run_state import read_config_text, resolve_checkpoint
+
+    try:
+        step_dir = resolve_checkpoint(checkpoint).absolute()
+        saved = read_config_text(step_dir)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise RecipeError(
+            [str(err)],
+            title="Cannot resume:",
+            hint="Pass a step_<N> folder written by the training loop, or its checkpoint_dir.",
+        ) from None
+    launch_file = step_dir / "launch.yaml"
+    launch = yaml.safe_load(launch_file.read_text(encoding="utf-8")) if launch_file.is_file() else {}
+    before = {"launch": dict(launch or {}), **saved}
+    data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
+    data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
+    with tempfile.TemporaryDirectory(prefix="litegen_resume_") as tmp:
+        # load_recipe reads a file; a private copy keeps the checkpoint itself untouched.
+        path = Path(tmp, "recipe.yaml")
+        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        try:
+            recipe = load_recipe(path, overrides)
+        except RecipeError as err:
+            if not launch:
+                err.problems.append(
+                    f"{step_dir} has no launch.yaml (it was not written by `litegen launch`): "
+                    "give the entry module with launch.entry=path/to/entry.py"
+                )
+            raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
+        try:  # the saved run with defaults filled in, to compare the overrides against
+            base = load_recipe(path, []).resolved_dict()
+        except RecipeError:  # e.g. launch.entry only comes from the overrides
+            base = before
+    return recipe, changed_fields(base, recipe.resolved_dict())
+
+
+def changed_fields(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """``'a.b: old -> new'`` for every leaf that differs.
+
+    >>> changed_fields({"max_steps": 3, "trainer": {"log_every": 1}}, {"max_steps": 6, "trainer": {}})
+    ['max_steps: 3 -> 6', 'trainer.log_every: 1 -> None']
+    """
+    old, new = _flatten(before), _flatten(after)
+    return [
+        f"{key}: {old.get(key)} -> {new.get(key)}"
+        for key in sorted(set(old) | set(new))
+        if key not in _IGNORED and old.get(key) != new.get(key)
+    ]
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

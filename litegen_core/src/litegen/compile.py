@@ -1,0 +1,125 @@
+"""Regional compilation: ``torch.compile`` each repeated block of a model, in place.
+
+``prepare`` calls :func:`compile_blocks` after activation checkpointing and before the strategy
+wraps (or shards) the model, the order torchtitan uses, so every strategy gets the same
+compiled blocks.
+
+Why blocks and not the whole model: the blocks of a DiT share one ``forward``, so Dynamo traces
+it once and every block reuses the graph (compile time of one block, not of 28), and graph breaks
+outside the blocks (data-dependent code in the user's top-level ``forward``) cost nothing.
+
+Why ``block.forward`` and not ``block.compile()``: ``Module.compile`` compiles ``_call_impl``,
+which runs the module's hooks inside the compiled region. FSDP's all-gather hooks are
+Dynamo-disabled, so they would split every block's graph in two. Compiling the instance's
+``forward`` keeps the hooks eager around the compiled region (torchtitan's layout), and since no
+wrapper module is inserted, ``state_dict`` keys and parameter objects stay the user's (no
+``_orig_mod.`` prefix). A checkpointed block's ``forward`` is already the checkpoint wrapper,
+so the compiled region contains the checkpoint and its recomputation.
+
+``dynamic``: ``None`` lets Dynamo compile the first shape static and, at the first new shape,
+recompile once with dynamic sizes (at most two compiles per block for any number of
+resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on every shape, so
+variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
+eagerly: use it only for fixed shapes.
+
+Example:
+    >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))
+    ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from litegen.memory.blocks import repeated_blocks
+
+log = logging.getLogger("litegen")
+
+
+class _CompiledForward:
+    """Marks a compiled ``forward`` so a second ``prepare`` never compiles a block twice."""
+
+    def __init__(self, original: Callable, compiled: Callable, patched: bool) -> None:
+        self.original = original  # what ``forward`` was: the class's or an instance patch
+        self.compiled = compiled
+        self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled this module's ``forward``."""
+    return isinstance(module.__dict__.get("forward"), _CompiledForward)
+
+
+def compile_blocks(
+    model: nn.Module,
+    compile_cfg: Any,
+    *,
+    paths: Sequence[str] | None = None,
+    backend: str | Callable | None = None,
+) -> list[str]:
+    """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
+
+    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``). ``paths``
+    overrides the blocks (default: :func:`litegen.memory.repeated_blocks`; the whole model's
+    ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
+    C++/Triton code generation); runs use inductor.
+
+    Example:
+        >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
+        ['blocks.0', 'blocks.1']
+    """
+    if paths is None:
+        paths = repeated_blocks(model)
+        if not paths:
+            log.info(
+                "%s has no repeated blocks; compiling its whole forward instead",
+                type(model).__name__,
+            )
+            paths = [""]
+    kwargs: dict[str, Any] = {"dynamic": compile_cfg.dynamic}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if compile_cfg.mode != "default":
+        if backend not in (None, "inductor"):
+            raise ValueError(
+                f"optimization.compile.mode={compile_cfg.mode!r} needs the inductor backend; "
+                "use mode: default with other backends."
+            )
+        kwargs["mode"] = compile_cfg.mode
+    if compile_cfg.dynamic is None:
+        # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
+        # have turned them off globally.
+        torch._dynamo.config.automatic_dynamic_shapes = True
+    done: list[str] = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        if is_compiled(module):
+            continue
+        original = module.forward
+        patched = "forward" in module.__dict__
+        module.forward = _CompiledForward(original, torch.compile(original, **kwargs), patched)
+        done.append(path)
+    return done
+
+
+def uncompile_blocks(model: nn.Module) -> int:
+    """Restore the eager ``forward`` of every compiled module; returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        if is_compiled(module):
+            wrapper = module.__dict__.pop("forward")
+            if wrapper.patched:
+                module.forward = wrapper.original
+            count += 1
+    return count
+
+
+__all__ = ["compile_blocks", "is_compiled", "uncompile_blocks"]

@@ -1,0 +1,196 @@
+"""Optimizer settings LiteGen applies to the user's optimizer (``optimization.optimizer``).
+
+* ``backend``: which torch implementation steps the parameters: ``single_tensor`` (a loop over
+  tensors), ``foreach`` (multi-tensor kernels) or ``fused`` (one kernel, CUDA only).
+* ``fp32_master_weights``: AdamW keeps an FP32 copy of every bf16/fp16 parameter in its state
+  (``state[p]["master"]``, with FP32 moments beside it), steps that copy with the gradient
+  upcast to FP32, and writes the result back into the parameter rounded to nearest. Small
+  updates that would vanish in bf16 accumulate in the master instead.
+
+The master step runs in an optimizer *step pre-hook*: it updates the low-precision parameters
+itself and hides their gradients, so the optimizer's own step only touches FP32 parameters. The
+optimizer object, its ``param_groups`` (which keep referencing the model's parameters, so
+``get_optimizer_state_dict`` maps state by parameter identity) and LR schedulers built on it
+are untouched. DTensor parameters (FSDP2 shards) are stepped through ``to_local()``, and their
+state is kept as DTensors with the parameter's placements, so it reshards like torch's own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.optim.adam import adam
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Optimizers whose constructor takes the foreach/fused flags this module sets.
+_BACKEND_AWARE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def configure_optimizer(
+    optimizer: torch.optim.Optimizer, settings: Any, *, master_weights: bool = True
+) -> torch.optim.Optimizer:
+    """Apply ``optimization.optimizer`` (an ``OptimizerConfig``) to ``optimizer`` in place.
+
+    ``master_weights=False`` is for strategies without master-weight support: a requested
+    ``fp32_master_weights`` is then ignored with a warning.
+
+    Example:
+        >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
+    """
+    set_backend(optimizer, settings.backend)
+    if settings.fp32_master_weights:
+        if master_weights:
+            enable_master_weights(optimizer)
+        else:
+            warnings.warn(
+                "optimization.optimizer.fp32_master_weights is only applied under zero1, zero2, "
+                "fsdp2 and hsdp; it is ignored with this strategy.",
+                stacklevel=2,
+            )
+    return optimizer
+
+
+def set_backend(optimizer: torch.optim.Optimizer, backend: str) -> None:
+    """Set the ``foreach``/``fused`` flags of every param group (and the defaults).
+
+    Example:
+        >>> set_backend(opt, "foreach")
+    """
+    flags = {
+        "single_tensor": {"foreach": False, "fused": None},
+        "foreach": {"foreach": True, "fused": None},
+        "fused": {"foreach": False, "fused": True},
+    }
+    if backend not in flags:
+        raise ValueError(
+            f"optimization.optimizer.backend must be one of {sorted(flags)}, got {backend!r}."
+        )
+    if not isinstance(optimizer, _BACKEND_AWARE):
+        if backend != "single_tensor":
+            raise ValueError(
+                f"optimization.optimizer.backend {backend!r} applies to Adam, AdamW and SGD, not "
+                f"{type(optimizer).__name__}; set backend: single_tensor."
+            )
+        return  # other optimizers keep their own implementation choice
+    if backend == "fused":
+        devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+        if devices != {"cuda"}:
+            raise ValueError(
+                "optimization.optimizer.backend 'fused' needs every parameter on CUDA, but "
+                f"found {sorted(devices)}; use backend: foreach (or single_tensor) on the CPU."
+            )
+    for target in (optimizer.defaults, *optimizer.param_groups):
+        target.update(flags[backend])
+
+
+def enable_master_weights(optimizer: torch.optim.Optimizer) -> None:
+    """Step bf16/fp16 parameters of an AdamW through FP32 master copies (see module docs).
+
+    Idempotent; a no-op when every parameter is already FP32.
+
+    Example:
+        >>> enable_master_weights(torch.optim.AdamW(bf16_model.parameters()))
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(p.dtype in _LOW_PRECISION for p in params):
+        return
+    if getattr(optimizer, "_litegen_master_weights", False):
+        return
+    if not isinstance(optimizer, torch.optim.Adam) or not optimizer.defaults.get(
+        "decoupled_weight_decay", False
+    ):
+        raise ValueError(
+            f"optimization.optimizer.fp32_master_weights supports AdamW only, got "
+            f"{type(optimizer).__name__}; use torch.optim.AdamW or set "
+            "fp32_master_weights: false."
+        )
+    optimizer.register_step_pre_hook(_master_step)
+    optimizer.register_step_post_hook(_restore_grads)
+    optimizer._litegen_master_weights = True
+    optimizer._litegen_hidden_grads = []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor of the same kind as ``param`` (a DTensor with its placements)."""
+    if not hasattr(param, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )
+
+
+def _master_state(optimizer, p: torch.Tensor, fused: bool) -> dict:
+    state = optimizer.state[p]
+    local = _local(p.detach())
+    if "master" not in state:
+        state["master"] = _like(p, local.float().clone())
+    for key in _MOMENTS:
+        # FP32 moments; a state loaded from a run without masters may hold bf16 ones.
+        if key not in state:
+            state[key] = _like(p, torch.zeros_like(local, dtype=torch.float32))
+        elif state[key].dtype != torch.float32:
+            state[key] = state[key].float()
+    if "step" not in state:
+        device = local.device if fused else torch.device("cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+    return state
+
+
+@torch.no_grad()
+def _master_step(optimizer, args, kwargs) -> None:
+    hidden = optimizer._litegen_hidden_grads
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None and p.dtype in _LOW_PRECISION]
+        if not params:
+            continue
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError(
+                "fp32_master_weights does not support AdamW(amsgrad=True) or maximize=True; "
+                "turn those off or set fp32_master_weights: false."
+            )
+        fused = bool(group.get("fused"))
+        states = [_master_state(optimizer, p, fused) for p in params]
+        masters = [_local(s["master"]) for s in states]
+        adam(
+            masters,
+            [_local(p.grad).float() for p in params],
+            [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=bool(group.get("foreach")),
+            fused=fused or None,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        for p, master in zip(params, masters, strict=True):
+            _local(p.detach()).copy_(master)  # round to nearest into bf16/fp16
+            # Hide the gradient so the optimizer's own step skips this parameter.
+            hidden.append((p, p.grad))
+            p.grad = None
+
+
+def _restore_grads(optimizer, args, kwargs) -> None:
+    for p, grad in optimizer._litegen_hidden_grads:
+        p.grad = grad
+    optimizer._litegen_hidden_grads.clear()

@@ -1,0 +1,128 @@
+"""The shipped recipes, shortened, through `litegen launch` with 2 gloo ranks on the CPU.
+
+Four launches (about 30 s each on 2 cores): the autoencoder, the latent DiT twice (the first
+run fills the latent cache, the second only reads it) and the pixel-space digits DiT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from litegen_cli.app import app
+
+pytestmark = pytest.mark.slow
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+TIMEOUT_S = 300
+NUM_DIGITS = 1797  # scikit-learn's digits
+# A small DiT and a few sampling steps: the runs check the plumbing, not the samples.
+SMALL_DIT = ["model.hidden_size=32", "model.depth=1", "sampling.steps=2", "sampling.per_class=2"]
+
+
+def launch(recipe: str, *overrides: str, cwd: Path) -> str:
+    """Run `litegen launch recipes/RECIPE OVERRIDES` to the end; return its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
+    args = [sys.executable, "-m", "litegen_cli.app", "launch", str(RECIPES / recipe), *overrides]
+    try:
+        proc = subprocess.run(
+            args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{recipe} did not finish in {TIMEOUT_S}s:\n{str(err.output)[-4000:]}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def epochs(results: Path) -> list[dict]:
+    return [json.loads(line) for line in (results / "cache_epochs.jsonl").read_text().splitlines()]
+
+
+def cached_keys(cache_root: Path) -> tuple[set[str], set[str]]:
+    """(keys stored, shard files) across every fingerprint folder, read from the indexes."""
+    keys, shard_files = set(), set()
+    for index in cache_root.glob("*/*.json"):
+        keys |= set(json.loads(index.read_text())["entries"])
+        shard_files.add(index.relative_to(cache_root).as_posix())
+    return keys, shard_files
+
+
+def test_autoencoder_then_latent_dit_with_cache(tmp_path):
+    ae_results, cache_root = tmp_path / "autoencoder", tmp_path / "cache"
+    launch("digits_autoencoder.yaml", "max_steps=40", f"results_dir={ae_results}", cwd=tmp_path)
+    checkpoint = ae_results / "digits_autoencoder.pth"
+    assert checkpoint.is_file()
+    assert (ae_results / "reconstructions.png").is_file()
+
+    latent = [
+        f"autoencoder.checkpoint={checkpoint}",
+        f"latent_cache.root={cache_root}",
+        "trainer.log_every=5",
+        *SMALL_DIT,
+    ]
+    # 16 steps of 128 samples: epoch 1 (steps 1-15, 1797 digits) fills the cache, and the
+    # start of epoch 2 reads it.
+    first = tmp_path / "latent1"
+    out = launch("digits_latent_dit.yaml", "max_steps=16", f"results_dir={first}", *latent,
+                 cwd=tmp_path)  # fmt: skip
+    assert "cache: epoch 1:" in out  # rank 0 logs the stats
+    fill, after = epochs(first)
+    assert (fill["epoch"], fill["partial"], fill["steps"]) == (1, False, 15)
+    # Every digit was encoded once; at most the step that crosses into epoch 2 re-encodes a
+    # few that the other rank had not written yet.
+    assert NUM_DIGITS <= fill["misses"] < NUM_DIGITS + 128
+    assert fill["bytes_written"] > 0 and fill["encode_s"] > 0
+    assert (after["epoch"], after["partial"], after["misses"], after["hits"]) == (2, True, 0, 128)
+    keys, shards = cached_keys(cache_root)
+    assert keys == {str(i) for i in range(NUM_DIGITS)}
+    assert len(shards) == 4  # one shard (.json + .safetensors) per rank
+    assert (first / "samples.png").is_file()
+    assert (first / "digits_latent_dit.pth").is_file()
+
+    # `litegen cache build` in this process finds every latent the ranks wrote: same
+    # fingerprint from another process, and nothing is encoded again.
+    recipe = str(RECIPES / "digits_latent_dit.yaml")
+    result = CliRunner().invoke(app, ["cache", "build", recipe, *latent], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"hits \(already cached\)\s*│\s*{NUM_DIGITS}\s*│", result.output)
+    assert re.search(r"misses \(encoded now\)\s*│\s*0\s*│", result.output)
+
+    # A second run reads every latent from the cache and writes nothing.
+    second = tmp_path / "latent2"
+    launch("digits_latent_dit.yaml", "max_steps=3", f"results_dir={second}", *latent, cwd=tmp_path)
+    (only,) = epochs(second)
+    assert (only["misses"], only["hits"], only["bytes_written"]) == (0, 3 * 128, 0)
+    assert only["bytes_read"] > 0
+    assert cached_keys(cache_root) == (keys, shards)
+    assert (second / "samples.png").is_file()
+
+
+def test_digits_dit_writes_samples(tmp_path):
+    results = tmp_path / "digits_dit"
+    out = launch("digits_dit.yaml", "max_steps=10", f"results_dir={results}", *SMALL_DIT,
+                 cwd=tmp_path)  # fmt: skip
+    assert f"samples written to {results / 'samples.png'}" in out
+    assert (results / "samples.png").stat().st_size > 0
+    assert len((results / "metrics.jsonl").read_text().splitlines()) > 0
+
+
+def test_latent_dit_without_autoencoder_says_what_to_run(tmp_path):
+    """Cheap, no launch: build() fails with the command that writes the checkpoint."""
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from digits_autoencoder import DigitsAutoencoder
+    finally:
+        sys.path.remove(str(RECIPES))
+    with pytest.raises(
+        ValueError, match=re.escape("litegen launch recipes/digits_autoencoder.yaml")
+    ):
+        DigitsAutoencoder.from_checkpoint(tmp_path / "missing.pth")

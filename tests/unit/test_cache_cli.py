@@ -1,0 +1,165 @@
+"""`litegen cache build RECIPE`: fills a recipe's cache through its build_cache hook."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from litegen.cache import TensorCache
+from litegen_cli.app import app
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "250"}  # rich wraps at 80 columns otherwise
+
+# A tiny entry module: 12 vectors "encoded" by doubling them. It counts its encode calls
+# in a file, so a test can tell whether a second build encoded anything.
+ENTRY = """
+import torch
+from pathlib import Path
+from litegen.cache import TensorCache, fingerprint
+
+def build(config):
+    raise AssertionError("cache build must not call build()")
+
+def train_step(batch, model):
+    raise AssertionError("cache build must not train")
+
+def build_cache(config):
+    cache = TensorCache(config.cache_root, fingerprint(None, version=config.version))
+    dataset = [torch.full((3,), float(i)) for i in range(12)]
+    calls = Path(config.cache_root) / "calls.txt"
+
+    def encode_fn(samples):
+        with calls.open("a") as fh:
+            fh.write(f"{len(samples)}\\n")
+        return {"z": torch.stack(samples) * 2}
+
+    return (cache, dataset, encode_fn, *HOOK_EXTRA)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+
+def make_recipe(tmp_path: Path, hook: str | None = "()", name: str = "cache_entry") -> Path:
+    """A recipe whose entry defines build_cache returning (cache, dataset, encode_fn, *hook)."""
+    code = ENTRY.replace("HOOK_EXTRA", hook or "()")
+    if hook is None:  # no hook at all
+        code = code[: code.index("def build_cache")]
+    entry = tmp_path / f"{name}.py"
+    entry.write_text(textwrap.dedent(code))
+    data = {
+        "launch": {"entry": entry.name, "nproc_per_node": 2},
+        "exp_name": "tiny",
+        "results_dir": str(tmp_path / "results"),
+        "runtime": {"device": "cpu"},
+        "max_steps": 1,
+        "global_batch_size": 4,
+        "cache_root": str(tmp_path / "cache"),
+        "version": 1,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def build(*args: str):
+    return runner.invoke(app, ["cache", "build", *map(str, args)], env=WIDE)
+
+
+def encode_calls(tmp_path: Path) -> list[int]:
+    calls = tmp_path / "cache" / "calls.txt"
+    return [int(n) for n in calls.read_text().split()] if calls.exists() else []
+
+
+def stored(tmp_path: Path, version: int = 1) -> TensorCache:
+    from litegen.cache import fingerprint
+
+    return TensorCache(tmp_path / "cache", fingerprint(None, version=version))
+
+
+def row(output: str, name: str) -> str:
+    """The value column of the report table's row ``name``."""
+    line = next(ln for ln in output.splitlines() if name in ln)
+    return line.split(name, 1)[1].strip(" │|")
+
+
+def test_build_fills_then_hits(tmp_path):
+    recipe = make_recipe(tmp_path)
+    result = build(recipe, "--batch-size", "5")
+    assert result.exit_code == 0, result.output
+    assert row(result.output, "misses (encoded now)") == "12"
+    assert row(result.output, "hits (already cached)") == "0"
+    assert row(result.output, "bytes written").startswith("72 ")  # 12 x 3 bf16 values
+    assert encode_calls(tmp_path) == [5, 5, 2]  # --batch-size reached fill_cache
+    cache = stored(tmp_path)
+    assert len(cache) == 12
+    assert cache.get(7)["z"].tolist() == [14.0, 14.0, 14.0]
+
+    again = build(recipe)
+    assert again.exit_code == 0, again.output
+    assert row(again.output, "hits (already cached)") == "12"
+    assert row(again.output, "misses (encoded now)") == "0"
+    assert row(again.output, "bytes written").startswith("0 ")
+    assert encode_calls(tmp_path) == [5, 5, 2]  # nothing encoded the second time
+
+
+def test_overrides_reach_the_hook(tmp_path):
+    """A changed setting (here the fingerprint's version) fills a new namespace."""
+    recipe = make_recipe(tmp_path)
+    assert build(recipe).exit_code == 0
+    result = build(recipe, "version=2")
+    assert result.exit_code == 0, result.output
+    assert row(result.output, "misses (encoded now)") == "12"
+    assert len(stored(tmp_path, version=2)) == 12
+
+
+def test_keys_from_the_hook_name_the_entries(tmp_path):
+    recipe = make_recipe(tmp_path, hook="([f'item-{i}' for i in range(12)],)")
+    result = build(recipe)
+    assert result.exit_code == 0, result.output
+    assert stored(tmp_path).keys() == {f"item-{i}" for i in range(12)}
+
+
+def test_entry_without_hook_exits_2_with_the_fix(tmp_path):
+    recipe = make_recipe(tmp_path, hook=None)
+    result = build(recipe)
+    assert result.exit_code == 2
+    assert "defines no build_cache(config)" in result.output
+    assert "(cache, dataset, encode_fn[, keys])" in result.output
+
+
+def test_hook_returning_five_items_exits_2(tmp_path):
+    recipe = make_recipe(tmp_path, hook="(1, 2)")
+    result = build(recipe)
+    assert result.exit_code == 2
+    assert "or (cache, dataset, encode_fn, keys), got a tuple of 5" in result.output
+
+
+def test_hook_returning_no_cache_exits_2(tmp_path):
+    entry = tmp_path / "nocache.py"
+    entry.write_text(
+        "def build(config): ...\n"
+        "def train_step(batch): ...\n"
+        "def build_cache(config):\n"
+        "    return {}, [1, 2], len\n"
+    )
+    recipe = make_recipe(tmp_path)
+    data = yaml.safe_load(recipe.read_text())
+    data["launch"]["entry"] = "nocache.py"
+    recipe.write_text(yaml.safe_dump(data))
+    result = build(recipe)
+    assert result.exit_code == 2
+    assert "must be a litegen.cache.TensorCache, got dict" in result.output
+
+
+def test_bad_recipe_exits_2_before_importing(tmp_path):
+    result = build(tmp_path / "missing.yaml")
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
