@@ -234,7 +234,8 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     result["workload"] = {**cfg.__dict__, "tokens": args.tokens, "batch": args.batch}
     if args.max_seq:
-        rows = [longest_sequence(args, cfg, c, device) for c in ("none", "full", "full_offload")]
+        cases = [c for c in ("none", "full", "full_offload") if c in args.cases]
+        rows = [longest_sequence(args, cfg, c, device) for c in cases]
         for r in rows:
             print(f"{r['case']:<16}{r['max_tokens']:>9} tokens{' (cap)' if r['capped'] else ''}")
         result["max_seq"] = rows

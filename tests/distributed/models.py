@@ -49,6 +49,7 @@ class TinyDiT(nn.Module):
         self.head = nn.Linear(hidden, IN_DIM)
 
     def forward(self, data: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        data = data.to(self.embed.weight.dtype)  # bf16-cast models take fp32 batches
         if t is None:
             t = torch.zeros(data.shape[0], device=data.device, dtype=data.dtype)
         cond = self.time(t.to(data.dtype).unsqueeze(-1))

@@ -104,7 +104,9 @@ def test_ema_follows_fp32_master_weights(strategy):
 
 
 def test_unsharded_ema_keeps_a_full_replica():
-    (result, _) = run_ranks(train_with_reference, 2, "ddp", {"ema": {"enable": True, "decay": DECAY, "sharded": False}})
+    (result, _) = run_ranks(
+        train_with_reference, 2, "ddp", {"ema": {"enable": True, "decay": DECAY, "sharded": False}}
+    )
     assert result["local_bytes"] == result["full_bytes"]
     for name, value in result["reference"].items():
         torch.testing.assert_close(result["ema"][name], value, rtol=1e-6, atol=1e-7)

@@ -121,6 +121,32 @@ def reshard_flags(strategy_cfg: dict, tmp: str) -> dict[str, bool]:
     }
 
 
+def grad_checks(strategy: str, tmp: str) -> dict:
+    """Same batch on every rank, so the global gradient is the single-process one."""
+    import litegen
+
+    gen = litegen.initialize(config_for(strategy, tmp))
+    batch = next(iter(torch.utils.data.DataLoader(PairDataset(8), batch_size=8)))
+    reference = make_model()
+    loss_fn(reference, batch).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    model = gen.prepare(make_model())
+    with gen.no_sync(model):
+        loss_fn(model, batch).backward()
+    # FSDP2 keeps a no_sync micro-batch's gradients unsharded inside FSDP; .grad appears only
+    # once the final micro-batch reduces them.
+    grads_after_no_sync = [p.grad is not None for p in model.parameters()]
+    loss_fn(model, batch).backward()  # accumulated: twice the gradient
+    norm = gen.clip_grad_norm_(model, float(expected))  # halves the gradient
+    clipped = gen.clip_grad_norm_(model, 1e9)  # measures only
+    return {
+        "expected": float(expected),
+        "norm": float(norm),
+        "clipped": float(clipped),
+        "grads_after_no_sync": grads_after_no_sync,
+    }
+
+
 def checkpoint_round_trips(result: dict, tmp: str) -> dict:
     """save_model / gen.load and save_model_state / load_model_state into fresh models."""
     gen, strategy = result["gen"], result["gen"].models[-1].strategy
@@ -170,6 +196,8 @@ def two_rank_suite(tmp: str) -> dict:
             parallel={"fsdp2": frozen | {"exclude_paths": ["time"]}},
         )
     )
+    for strategy in ("ddp", "fsdp1", "fsdp2"):
+        out[strategy, "grads"] = grad_checks(strategy, tmp)
     out["reshard", "last_kept"] = reshard_flags(
         {"reshard_after_forward": True, "last_unit_reshard_after_forward": False}, tmp
     )
@@ -213,7 +241,9 @@ def load_at_two(tmp: str) -> dict:
 def assert_same_weights(actual: dict, expected: dict, **tol) -> None:
     assert sorted(actual) == sorted(expected)
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key].float(), value.float(), msg=key, **tol)
+        torch.testing.assert_close(
+            actual[key].float(), value.float(), msg=lambda m, key=key: f"{key}: {m}", **tol
+        )
 
 
 def assert_same_optim(actual: dict, expected: dict) -> None:
@@ -258,7 +288,8 @@ def test_size_based_plan_counts_unclaimed_parameters_bottom_up():
     # attn and mlp reach this threshold; what they leave of one block (norms, ada) does not,
     # but the three leftovers together do, so the ModuleList becomes a unit around them.
     threshold = min(
-        sum(p.numel() for p in model.blocks[0].get_submodule(m).parameters()) for m in ("attn", "mlp")
+        sum(p.numel() for p in model.blocks[0].get_submodule(m).parameters())
+        for m in ("attn", "mlp")
     )
     units = plan_units(model, cfg(wrap_strategy="size_based", min_num_params=threshold))
     assert units == [f"blocks.{i}.{m}" for i in range(3) for m in ("attn", "mlp")] + ["blocks"]
@@ -323,8 +354,8 @@ def test_empty_units_need_the_allow_flag():
 def test_matches_ddp(two_ranks, strategy, accum):
     ddp, got = two_ranks["ddp", accum], two_ranks[strategy, accum]
     assert len(got["losses"]) == STEPS
-    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-7)
-    assert_same_weights(got["state"], ddp["state"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-6)
+    assert_same_weights(got["state"], ddp["state"], rtol=1e-5, atol=1e-6)
     assert ddp["losses"][-1] < 0.5 * ddp["losses"][0]  # it really trained
 
 
@@ -344,8 +375,8 @@ def test_optimizer_rebinding_keeps_groups_and_scheduler(two_ranks, strategy):
 @pytest.mark.slow
 def test_fsdp2_exclude_paths_trains_like_ddp_with_a_frozen_module(two_ranks):
     ddp, got = two_ranks["ddp", "frozen"], two_ranks["fsdp2", "frozen"]
-    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-7)
-    assert_same_weights(got["state"], ddp["state"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-6)
+    assert_same_weights(got["state"], ddp["state"], rtol=1e-5, atol=1e-6)
     assert "Tensor" in got["param_types"]  # the excluded module stays a plain tensor
     assert_same_weights(
         {k: v for k, v in got["state"].items() if k.startswith("time.")},
@@ -358,12 +389,29 @@ def test_fsdp2_exclude_paths_trains_like_ddp_with_a_frozen_module(two_ranks):
 @pytest.mark.slow
 def test_fsdp2_bf16_mixed_precision_stays_close_to_fp32_ddp(two_ranks):
     ddp, got = two_ranks["ddp", 1], two_ranks["fsdp2", "bf16"]
-    # bf16 keeps ~3 significant digits in forward/backward; the fp32 sharded weights and the
-    # optimizer keep the run on the fp32 trajectory within a few percent.
-    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=5e-2, atol=1e-3)
-    assert_same_weights(got["state"], ddp["state"], rtol=0, atol=2e-2)
+    # Stated tolerance: forward/backward in bf16 (~3 significant digits) with fp32 sharded
+    # weights and reduction stays within 2% of the fp32 losses (measured: 0.4%), and the
+    # weights' total update differs from DDP's by under 10% of its norm (measured: 4%).
+    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=2e-2, atol=0)
+    initial = make_model().state_dict()
+    drift = sum(((got["state"][k] - v) ** 2).sum() for k, v in ddp["state"].items()).sqrt()
+    update = sum(((v - initial[k]) ** 2).sum() for k, v in ddp["state"].items()).sqrt()
+    assert drift < 0.1 * update
     assert all(v.dtype == torch.float32 for v in got["state"].values())
     assert got["losses"] != ddp["losses"]  # bf16 really was used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2"])
+def test_clip_grad_norm_sees_the_full_gradient(two_ranks, strategy):
+    got = two_ranks[strategy, "grads"]
+    # Two accumulated micro-batches of the same batch: twice the single-process norm (a norm
+    # over this rank's shards only would be about 1/sqrt(2) of it); clipping to the single
+    # norm halves it.
+    assert got["norm"] == pytest.approx(2 * got["expected"], rel=1e-5)
+    assert got["clipped"] == pytest.approx(got["expected"], rel=1e-4)
+    if strategy == "fsdp2":
+        assert not any(got["grads_after_no_sync"])
 
 
 @pytest.mark.slow

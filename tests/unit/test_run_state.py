@@ -6,6 +6,8 @@ tests/distributed/test_resume.py; these run in a second each.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -112,22 +114,23 @@ def test_bad_checkpoints_name_the_path_and_write_nothing(tmp_path):
     run(tmp_path, 2, checkpoint_every=2)
     step = tmp_path / "ckpt" / "step_2"
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    where = re.escape(str(step))
 
     def resume_from(path, out=2):
         run(tmp_path / "new", 4, out=out, resume_run=str(path))
 
-    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
         resume_from(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match=rf"{step}.*shape mismatches: weight: file \(2, 4\)"):
+    with pytest.raises(ValueError, match=rf"{where}.*shape mismatches: weight: file \(2, 4\)"):
         resume_from(step, out=3)
     meta = step / "model_0" / ".metadata"
     good = meta.read_bytes()
     meta.write_bytes(good[: len(good) // 2])
-    with pytest.raises(ValueError, match=rf"{step} is corrupt: .*\.metadata cannot be read"):
+    with pytest.raises(ValueError, match=rf"{where} is corrupt: .*\.metadata cannot be read"):
         resume_from(step)
     meta.write_bytes(good)
     (step / COMPLETE).unlink()
-    with pytest.raises(ValueError, match=rf"{step} is partial"):
+    with pytest.raises(ValueError, match=rf"{where} is partial"):
         resume_from(step)
     with pytest.raises(FileNotFoundError, match="no complete run checkpoint"):
         resume_from(tmp_path / "ckpt")
@@ -162,5 +165,5 @@ def test_nan_skip_keeps_the_data_order_and_abort_names_the_step(tmp_path):
     assert skipped["trainer"].step == 4 and len(skipped["losses"]) == 3  # step 2 not logged
     assert skipped["lr"] == pytest.approx(0.05 * 0.9**3)  # the scheduler skipped one step
     assert clean["lr"] == pytest.approx(0.05 * 0.9**4)
-    with pytest.raises(FloatingPointError, match="not finite at step 2.*on_nan: skip"):
+    with pytest.raises(FloatingPointError, match=r"not finite at step 2.*on_nan: skip"):
         run(tmp_path / "abort", 4, step_fn=nan_at_step_1)

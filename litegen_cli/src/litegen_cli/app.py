@@ -100,6 +100,37 @@ def launch(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     run_launch(load_or_exit(recipe, overrides))
 
 
+@app.command()
+def resume(
+    checkpoint: Annotated[
+        Path,
+        typer.Option(
+            "--from",
+            help="A step_<N> run checkpoint, or the checkpoint_dir holding them (its latest).",
+            show_default=False,
+        ),
+    ],
+    overrides: OverridesArg = None,
+) -> None:
+    """Continue a run from a checkpoint: its saved config, plus overrides, launched as before.
+
+    The run goes on exactly where it stopped (same next batch, noise and losses); the fields
+    the overrides change are printed first. See docs/resume.md.
+    """
+    from litegen_cli.resume import resume_recipe  # imports torch
+
+    try:
+        recipe, changes = resume_recipe(checkpoint, overrides or [])
+        derive_plan(recipe)
+    except RecipeError as err:
+        render.print_recipe_error(err)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    render.console.print(f"Resuming from {recipe.config.trainer.resume_run}")
+    for line in changes or ["(none)"]:
+        render.console.print(f"  changed: {line}", highlight=False, markup=False)
+    run_launch(recipe)
+
+
 @app.command("inspect-config")
 def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     """Print the resolved, validated recipe and the derived run plan; start nothing.

@@ -125,6 +125,11 @@ def launch(recipe: Recipe) -> Path:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    if recipe.launch.max_restarts > 0:
+        # torchrun reuses one TCPStore across restarts by default, and the restarted ranks read
+        # the dead group's gloo addresses from it ("Connection refused"); a fresh store per
+        # attempt avoids that. See docs/resume.md.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as err:

@@ -136,7 +136,9 @@ class EMA:
         """Load a full average (every rank passes the same dict); each rank keeps its piece."""
         missing = [s.name for s in self.slots if s.name not in state]
         if missing:
-            raise ValueError(f"EMA state lacks parameters {missing[:5]}; was it saved from this model?")
+            raise ValueError(
+                f"EMA state lacks parameters {missing[:5]}; was it saved from this model?"
+            )
         for slot in self.slots:
             full = state[slot.name].to(slot.ema.device, torch.float32)
             if slot.mesh is None:

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
 from litegen.entry import load_entry
+from litegen.flops import StepThroughput
 from litegen.metrics import MetricsLogger
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
@@ -83,12 +84,25 @@ class Trainer:
         )
         self._resume_checked = False
         self._restore_after_iter: dict[str, Any] | None = None
+        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first step.
+        self.throughput = StepThroughput(
+            gen.unwrap(self.models[0]) if self.models else None,
+            device=gen.device,
+            world_size=gen.world_size,
+            samples_per_step=self.config.global_batch_size,
+            accum=self.config.trainer.grad_accum_steps,
+            peak_tflops=self.config.trainer.peak_tflops,
+            tokens_per_sample=self.config.trainer.tokens_per_sample,
+        )
 
     # -- one optimizer step -------------------------------------------------------------------
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
         kwargs = {**self.parts, "gen": self.gen, "config": self.config, "step": self.step}
         autocast = self.config.trainer.autocast
         with ExitStack() as stack:
+            stack.enter_context(self.throughput.count())
+            # Around backward too: checkpointed blocks recompute their attention there.
+            stack.enter_context(self.gen.attention_context())
             if not last:
                 for model in self.models:
                     stack.enter_context(self.gen.no_sync(model))
@@ -142,7 +156,6 @@ class Trainer:
                 self.resume(source)
         cfg = self.config.trainer
         accum = cfg.grad_accum_steps
-        samples_per_step = self.config.global_batch_size
         for model in self.models:
             model.train()
         losses: list[float] = []
@@ -176,9 +189,9 @@ class Trainer:
                     mean_loss = loss_sum.item() / accum
                     losses.append(mean_loss)
                     now = time.perf_counter()
-                    rate = (self.step - last_log[1]) * samples_per_step / (now - last_log[0])
+                    window = self.throughput.metrics(self.step - last_log[1], now - last_log[0])
                     last_log = (now, self.step)
-                    values = {"loss": mean_loss, "samples_per_s": rate}
+                    values = {"loss": mean_loss, **window}
                     values["lr"] = self.optimizers[0].param_groups[0]["lr"]
                     if grad_norm is not None:
                         values["grad_norm"] = grad_norm

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from litegen.checkpoint.files import load_state, save_state
+from litegen.checkpoint.files import save_state
 from litegen.parallel.plan import ParallelPlan
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -62,9 +62,13 @@ class Strategy:
 
         ``fqn_of`` maps ``id(parameter)`` of the parameters the optimizer was built on to their
         names, captured before wrapping. Strategies that replace parameters rebind the
-        optimizer's groups in place, so LR schedulers built on it stay valid.
+        optimizer's groups in place, so LR schedulers built on it stay valid. The default keeps
+        the parameters and applies ``optimization.optimizer.backend``; master weights need a
+        sharding strategy and are refused here with a warning.
         """
-        return optimizer
+        from litegen.optim import configure_optimizer
+
+        return configure_optimizer(optimizer, self.optimization.optimizer, master_weights=False)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper this strategy added."""
@@ -125,9 +129,11 @@ class Strategy:
         return path
 
     def load_optimizer_file(self, optimizer, model: nn.Module, path: Path) -> None:
-        """Load what :meth:`save_optimizer_file` (of any strategy) wrote."""
-        state = load_state(path, what="optimizer")
-        self.load_full_optimizer_state(optimizer, model, state)
+        """Load what :meth:`save_optimizer_file` (of any strategy) wrote: one full file, or a
+        ZeRO manifest with its rank shards (saved at any world size)."""
+        from litegen.parallel.zero_state import load_optimizer_state
+
+        self.load_full_optimizer_state(optimizer, model, load_optimizer_state(path))
 
     # -- sharded state for torch.distributed.checkpoint (reshards on load) -------------------
     def dcp_state(self, model: nn.Module, optimizer=None) -> dict[str, Any]:

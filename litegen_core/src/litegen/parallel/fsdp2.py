@@ -144,7 +144,8 @@ class Fsdp2Strategy(Strategy):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
-            # Each rank's norm covers its shards only; full_tensor() reduces to the global one.
+            # DTensor's norm already reduced the shards' partial norms (a replicated DTensor);
+            # full_tensor() makes it the plain tensor that callers log and clip with.
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
         return norm

@@ -87,7 +87,10 @@ def load_hyperparameters(param_groups: list[dict], saved: list[dict]) -> None:
             f"{len(param_groups)}; build the optimizer with the same groups as the saved run."
         )
     for group, saved_group in zip(param_groups, saved, strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for key, value in saved_group.items():
+            if key != "params":
+                # JSON (the manifest) turns tuples such as Adam's betas into lists.
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
 # -- files ------------------------------------------------------------------------------------

@@ -358,9 +358,7 @@ class KernelsConfig(Section):
     """Kernel replacements (``optimization.kernels``)."""
 
     fused_layernorm: bool = False
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = (
-        "auto"
-    )
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = "auto"
     """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
 
 

@@ -1,0 +1,86 @@
+"""EMA for the bucketed ZeRO strategies: each rank averages exactly the partition it steps.
+
+The partition is the optimizer's own (``buckets.py``), so when master weights are on, every
+rank holds the FP32 master of what it averages and the EMA follows it without communication.
+Gathering reuses the bucket layout: one all-gather per bucket, then the parameters' ranges.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from litegen.parallel.buckets import Bucket
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class BucketEMA:
+    """FP32 EMA of the bucket partitions a ZeRO optimizer steps (the ``litegen.ema.EMA`` API).
+
+    Example:
+        >>> ema = BucketEMA(model, buckets, optimizer)
+        >>> ema.update(0.999)
+        >>> full = ema.state_dict()  # collective
+    """
+
+    def __init__(self, model: nn.Module, buckets: list[Bucket], optimizer) -> None:
+        self.model = model
+        self.buckets = buckets
+        self.optimizer = optimizer
+        self.name_of = {id(p): name for name, p in model.named_parameters()}
+        covered = {id(p) for b in buckets for p in b.params}
+        # Parameters no optimizer steps (frozen parts of the model) are averaged whole.
+        self.replicated = {name: p for name, p in model.named_parameters() if id(p) not in covered}
+        self.shards = [self._source(b).float().clone() for b in buckets]
+        self.whole = {name: p.detach().float().clone() for name, p in self.replicated.items()}
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+
+    def _source(self, bucket: Bucket) -> torch.Tensor:
+        state = self.optimizer.state.get(bucket.shard)
+        master = state.get("master") if state else None
+        return (master if master is not None else bucket.shard).detach()
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        targets = self.shards + list(self.whole.values())
+        sources = [self._source(b).float() for b in self.buckets]
+        sources += [p.detach().float() for p in self.replicated.values()]
+        torch._foreach_lerp_(targets, sources, 1.0 - decay)
+        for name, buffer in self.model.named_buffers():
+            self.buffers[name].copy_(buffer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for bucket, shard in zip(self.buckets, self.shards, strict=True):
+            flat = torch.empty(bucket.numel, dtype=torch.float32, device=shard.device)
+            _all_gather(flat, shard)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                state[self.name_of[id(p)]] = flat[offset : offset + p.numel()].view(p.shape).cpu()
+        state.update({name: t.cpu() for name, t in self.whole.items()})
+        state.update({name: b.cpu() for name, b in self.buffers.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for bucket, shard in zip(self.buckets, self.shards, strict=True):
+            for p, p_off, s_off, n in bucket.pieces(bucket.shard_start, bucket.shard_numel):
+                full = state[self.name_of[id(p)]].reshape(-1)
+                shard[s_off : s_off + n].copy_(full[p_off : p_off + n])
+        for name, tensor in self.whole.items():
+            tensor.copy_(state[name])
+        for name, buffer in self.buffers.items():
+            if name in state:
+                buffer.copy_(state[name])
+
+    def dcp_state(self) -> dict[str, torch.Tensor]:
+        """The full average (identical on every rank, so DCP stores it once)."""
+        self._dcp = self.state_dict()
+        return self._dcp
+
+    def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(state)
+
+    def local_bytes(self) -> int:
+        tensors = self.shards + list(self.whole.values())
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,406 @@
+"""The same DiT trained through LiteGen and through hand-written PyTorch, in one process group.
+
+Issue 8's benchmark. Both sides use the same model (``dit_model.py``), precision, fused AdamW,
+compile setting and attention backend; LiteGen's side runs the trainer's own step (micro-step,
+finite check, optimizer step, EMA when on), the hand-written side the plain loop a user would
+write. Each side: ``--warmup`` steps, then ``--steps`` steps timed one by one between
+``torch.cuda.synchronize()`` calls; the table shows the median.
+
+    torchrun --nproc_per_node=2 scripts/bench_dit.py --workload A --strategy fsdp2 --compile
+    torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile
+    python scripts/bench_dit.py --device cpu --tiny            # CPU smoke run
+
+Workloads (per GPU): A video DiT, hidden 1152, depth 28, 16 heads, 4096 tokens, batch 8;
+B hidden 1536, depth 30, 12 heads of 128, 17160 tokens, batch 2; C DiT-XL/2 at 256px,
+256 tokens, batch 128. ``--attention-sweep`` also times one attention call (forward and
+backward) per SDPA backend at the workload's shape and names the kernel torch picks by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dit_model import DiT, DiTConfig, sample_batch
+
+import litegen
+from litegen.flops import FlopCounter, peak_flops
+from litegen.kernels.attention import BACKENDS, attention_context
+from litegen.trainer import Trainer
+from litegen.utils.config import MainConfig
+
+GIB = 2**30
+WORKLOADS = {  # name -> (model config, tokens per sample, batch per GPU)
+    "A": (DiTConfig(hidden=1152, depth=28, heads=16), 4096, 8),
+    "B": (DiTConfig(hidden=1536, depth=30, heads=12), 17160, 2),
+    "C": (DiTConfig(hidden=1152, depth=28, heads=16), 256, 128),
+}
+SHARDED = ("fsdp2", "hsdp")  # bf16 through FSDP2's MixedPrecisionPolicy; others autocast
+
+
+def loss_fn(model, batch) -> torch.Tensor:
+    x, t, y = batch
+    return (model(x, t, y).float() - x.float()).square().mean()
+
+
+def make_batch(cfg: DiTConfig, batch: int, tokens: int, device, seed: int = 0) -> tuple:
+    """Latent tokens, timesteps and class labels (every parameter gets a gradient)."""
+    x, t = sample_batch(cfg, batch, tokens, device, seed)
+    return x, t, t % cfg.num_classes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ LiteGen side
+def litegen_config(args, world: int, results: str) -> MainConfig:
+    bf16 = args.device == "cuda"
+    optimization = {
+        "parallel": {"strategy": args.strategy},
+        "compile": {"enabled": args.compile, "dynamic": False},
+        "kernels": {"attention_backend": args.attention},
+    }
+    if bf16 and args.strategy in SHARDED:
+        optimization["precision"] = {"fsdp2_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+    return MainConfig.from_dict(
+        {
+            "exp_name": "bench",
+            "results_dir": results,
+            "runtime": {"device": args.device},
+            "global_batch_size": args.batch * world,
+            "max_steps": 10**9,
+            "optimization": optimization,
+            "ema": {"enable": args.ema, "decay": 0.9999},
+            "trainer": {
+                "autocast": "bf16" if bf16 and args.strategy not in SHARDED else None,
+                "save_final": False,
+            },
+        }
+    )
+
+
+class LiteGenRunner:
+    """LiteGen's prepare and the trainer's per-step work, without data loading and logging."""
+
+    def __init__(self, args, cfg: DiTConfig, world: int, results: str) -> None:
+        self.gen = litegen.initialize(litegen_config(args, world, results))
+        torch.manual_seed(0)
+        model = DiT(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+        dataset = [make_batch(cfg, 1, 8, "cpu")] * world  # only to satisfy the trainer
+        model, optimizer, loader = self.gen.prepare(model, optimizer, dataset)
+        self.model = model
+        self.trainer = Trainer(
+            self.gen,
+            lambda batch, model: loss_fn(model, batch),
+            {"model": model, "optimizer": optimizer, "loader": loader},
+        )
+
+    def ema_step(self) -> None:
+        self.gen.update_ema()
+
+    def step(self, batch) -> None:
+        t = self.trainer
+        loss = t._micro_step(batch, last=True, accum=1)
+        if t._all_finite(loss):
+            t._optimizer_step()
+        t._zero_grad()
+
+
+# -------------------------------------------------------------------------- hand-written side
+def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_: bool):
+    """The strategy as a user would write it with plain PyTorch; returns (model, optimizer)."""
+    if compile_:  # torchtitan's regional compile: each block, before sharding
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, dynamic=False)
+    fused = device.type == "cuda"
+    if strategy in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(
+            model.to(device),
+            device_ids=[device] if fused else None,
+            gradient_as_bucket_view=True,
+        )
+        if strategy == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, fused=fused
+            )
+            return model, opt
+    elif strategy == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        blocks = {type(b) for b in model.blocks}  # DiTBlock, or the compiled wrapper
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy(blocks), use_orig_params=True, device_id=device
+        )
+    elif strategy in SHARDED:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.to(device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = mp if fused else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    else:
+        raise ValueError(f"no hand-written baseline for strategy {strategy!r}")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+
+
+class HandRunner:
+    def __init__(self, args, cfg: DiTConfig, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.model, self.optimizer = wrap_by_hand(DiT(cfg), args.strategy, device, args.compile)
+        bf16 = device.type == "cuda" and args.strategy not in SHARDED
+        self.autocast = torch.autocast("cuda", torch.bfloat16) if bf16 else nullcontext()
+        self.attention = lambda: attention_context(args.attention, device)
+        self.ema = None
+        if args.ema:  # fp32 copy of this rank's (local) parameters, lerped after each step
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.ema = [_local(p).detach().float().clone() for p in self.params]
+
+    def step(self, batch) -> None:
+        with self.attention():
+            with self.autocast:
+                loss = loss_fn(self.model, batch)
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema_step()
+
+    @torch.no_grad()
+    def ema_step(self) -> None:
+        torch._foreach_lerp_(self.ema, [_local(p).float() for p in self.params], 1e-4)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+# ------------------------------------------------------------------------------ measurement
+def count_flops(runner, batch) -> int:
+    """FLOPs of one training step on this rank (eager, counted before timing)."""
+    with FlopCounter() as counter:
+        runner.step(batch)
+    return counter.flops
+
+
+def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
+    flops = count_flops(runner, batch)
+    for _ in range(args.warmup):
+        runner.step(batch)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        runner.step(batch)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    peak = peak_flops(device, args.peak_tflops)
+    ema_ms = None
+    if args.ema:  # the EMA update alone (it is also inside every timed step)
+        ema_times = []
+        for _ in range(10):
+            sync(device)
+            start = time.perf_counter()
+            runner.ema_step()
+            sync(device)
+            ema_times.append(time.perf_counter() - start)
+        ema_ms = statistics.median(ema_times) * 1e3
+    return {
+        "impl": name,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s_per_gpu": args.batch * tokens / step_s,
+        "samples_per_s_per_gpu": args.batch / step_s,
+        "tflops_per_gpu": flops / step_s / 1e12,
+        "mfu": flops / step_s / peak if peak else None,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda"
+        else None,
+        "ema_ms": ema_ms,
+    }
+
+
+def release(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def compare(args, cfg: DiTConfig, tokens: int, device: torch.device, world: int) -> list[dict]:
+    """LiteGen then hand-written for ``args.strategy``; the LiteGen row carries the ratios."""
+    batch = make_batch(cfg, args.batch, tokens, device, seed=dist.get_rank())
+    rows = []
+    with tempfile.TemporaryDirectory() as results:
+        runner = LiteGenRunner(args, cfg, world, results)
+        rows.append(measure("litegen", runner, batch, args, device, tokens))
+        del runner
+        release(device)
+    runner = HandRunner(args, cfg, device)
+    rows.append(measure("hand", runner, batch, args, device, tokens))
+    del runner
+    release(device)
+    lite, hand = rows
+    lite["time_x_hand"] = lite["step_ms"] / hand["step_ms"]
+    lite["tokens_x_hand"] = lite["tokens_per_s_per_gpu"] / hand["tokens_per_s_per_gpu"]
+    for row in rows:
+        row["strategy"] = args.strategy
+    return rows
+
+
+def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.device) -> list[dict]:
+    """Forward+backward time of one attention call per backend, and torch's default kernel."""
+    import torch.nn.functional as F
+
+    shape = (batch, cfg.heads, tokens, cfg.hidden // cfg.heads)
+    q, k, v = (
+        torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    rows = []
+    for name in ("default", *BACKENDS):
+        context = nullcontext() if name == "default" else attention_context(name, device)
+        try:
+            with context:
+                for _ in range(3):
+                    run()
+                sync(device)
+                start = time.perf_counter()
+                for _ in range(10):
+                    run()
+                sync(device)
+            rows.append({"backend": name, "ms": (time.perf_counter() - start) * 100})
+        except RuntimeError as exc:  # the backend does not support this shape or device
+            rows.append({"backend": name, "ms": None, "error": str(exc).splitlines()[0]})
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            sync(device)
+        kernels = {
+            e.key
+            for e in prof.key_averages()
+            if "attention" in e.key.lower() or "fmha" in e.key.lower() or "flash" in e.key.lower()
+        }
+        rows[0]["kernels"] = sorted(kernels)[:4]
+    return rows
+
+
+def fmt(value, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    head = f"{'strategy':<9}{'impl':<9}{'step ms':>9}{'tok/s/GPU':>11}{'img/s/GPU':>10}"
+    print(head + f"{'MFU':>7}{'peak GiB':>9}{'EMA ms':>8}{'time x':>8}{'tok x':>7}")
+    for r in rows:
+        print(
+            f"{r['strategy']:<9}{r['impl']:<9}{r['step_ms']:>9.1f}"
+            f"{r['tokens_per_s_per_gpu']:>11.0f}{r['samples_per_s_per_gpu']:>10.1f}"
+            f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f'):>7}{fmt(r['peak_gib'], '.1f'):>9}"
+            f"{fmt(r.get('ema_ms'), '.2f'):>8}"
+            f"{fmt(r.get('time_x_hand'), '.3f'):>8}{fmt(r.get('tokens_x_hand'), '.3f'):>7}"
+        )
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--workload", default="A", choices=list(WORKLOADS))
+    p.add_argument("--compile", action="store_true", help="regional compile on both sides")
+    p.add_argument("--attention", default="auto", help="auto, cudnn, flash, efficient, math")
+    p.add_argument("--ema", action="store_true", help="update an EMA after every step")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, help="per GPU (default: the workload's)")
+    p.add_argument("--tokens", type=int, help="per sample (default: the workload's)")
+    p.add_argument("--peak-tflops", type=float, help="MFU peak (default: litegen.flops table)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here (rank 0)")
+    return p
+
+
+def setup(args) -> tuple[DiTConfig, int, torch.device]:
+    """Workload shapes, then a process group via LiteGen's own initialisation."""
+    cfg, tokens, batch = WORKLOADS[args.workload]
+    if args.tiny:
+        cfg, tokens, batch, args.steps, args.warmup = DiTConfig.tiny(), 64, 2, 3, 1
+    args.batch = args.batch or batch
+    tokens = args.tokens or tokens
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+    return cfg, tokens, torch.device(args.device)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp1, fsdp2")
+    p.add_argument("--attention-sweep", action="store_true")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device; use --device cpu --tiny for a smoke run")
+    cfg, tokens, _ = setup(args)
+    # LiteGen's initialisation joins the torchrun process group (or makes a one-rank one).
+    device = litegen.initialize(litegen_config(args, 1, tempfile.gettempdir())).device
+    world = dist.get_world_size()
+    runner_rows = compare(args, cfg, tokens, device, world)
+    sweep = attention_sweep(cfg, tokens, args.batch, device) if args.attention_sweep else None
+    if dist.get_rank() == 0:
+        result = {
+            "workload": args.workload,
+            "model": cfg.__dict__,
+            "tokens": tokens,
+            "batch_per_gpu": args.batch,
+            "world_size": world,
+            "compile": args.compile,
+            "attention": args.attention,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "rows": runner_rows,
+            "attention_sweep": sweep,
+        }
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2))
+        if sweep:
+            print("\nattention (fwd+bwd ms):", {r["backend"]: r["ms"] for r in sweep})
+            print("default kernels:", sweep[0].get("kernels"))
+        title = (
+            f"workload {args.workload}, {world} GPU(s), compile={args.compile}, "
+            f"attention={args.attention}, torch {torch.__version__}"
+        )
+        print_table(runner_rows, title)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

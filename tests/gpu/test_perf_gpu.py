@@ -1,0 +1,80 @@
+"""Compile, attention backends and FLOP counting on CUDA (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from litegen.compile import compile_blocks
+from litegen.flops import FlopCounter, peak_flops
+from litegen.kernels.attention import BACKENDS, attention_context
+from litegen.memory import apply_memory_optimizations
+from litegen.utils.config import CompileConfig, MemoryConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from dit_model import DiT, DiTConfig, sample_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+SMALL = DiTConfig(hidden=128, depth=3, heads=2, num_classes=10)  # head dim 64
+
+
+def loss_and_grads(model, tokens=64):
+    x, t = sample_batch(model.cfg, 2, tokens, "cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = (model(x, t).float() - x).square().mean()
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_inductor_blocks_match_eager(checkpoint):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = DiT(SMALL).cuda()
+    compiled = DiT(SMALL).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    if checkpoint:
+        memory = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.0}}
+        apply_memory_optimizations(compiled, MemoryConfig.model_validate(memory))
+    assert len(compile_blocks(compiled, CompileConfig(enabled=True, dynamic=None))) == 3
+    ref_loss, ref_grads = loss_and_grads(eager)
+    loss, grads = loss_and_grads(compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-3)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=5e-2, atol=5e-3, msg=name)
+
+
+@pytest.mark.parametrize("name", ["auto", *BACKENDS])
+def test_every_backend_matches_math(name):
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 256, 72, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    )
+    with attention_context("math", "cuda"):
+        ref = F.scaled_dot_product_attention(q, k, v)
+    try:
+        with attention_context(name, "cuda"):
+            out = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError as exc:  # e.g. cuDNN attention absent from this build or GPU
+        pytest.skip(f"{name} unavailable here: {str(exc).splitlines()[0]}")
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_peak_is_known_for_datacenter_gpus_and_the_counter_runs():
+    name = torch.cuda.get_device_name()
+    if any(key in name for key in ("H100", "H200", "A100", "H800")):
+        assert peak_flops("cuda") is not None
+    layer = torch.nn.Linear(64, 64, device="cuda")
+    with FlopCounter() as counter:
+        layer(torch.randn(8, 64, device="cuda")).sum().backward()
+    assert counter.flops == 2 * (2 * 8 * 64 * 64)  # forward and dW (the input needs no grad)

@@ -1,0 +1,116 @@
+"""Regional compilation: same numbers as eager, one region per block, bounded recompiles.
+
+Inductor's C++ code generation takes minutes on a small CPU, so these tests compile with
+``backend="aot_eager"`` (Dynamo + AOTAutograd: the same graphs and guards, run eagerly) or, for
+counting recompiles, ``"eager"`` (Dynamo only). ``tests/gpu/test_perf_gpu.py`` runs inductor.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from litegen.compile import compile_blocks, is_compiled, uncompile_blocks
+from litegen.memory import apply_memory_optimizations
+from litegen.utils.config import CompileConfig, MemoryConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from dit_model import DiT, DiTConfig, sample_batch
+
+TINY = DiTConfig(hidden=32, depth=3, heads=2, num_classes=10)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make(checkpoint: bool = False) -> DiT:
+    torch.manual_seed(0)
+    model = DiT(TINY)
+    if checkpoint:
+        memory = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.0}}
+        apply_memory_optimizations(model, MemoryConfig.model_validate(memory))
+    return model
+
+
+def loss_and_grads(model: DiT, tokens: int = 16) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x, t = sample_batch(model.cfg, batch=2, tokens=tokens, device="cpu")
+    loss = (model(x, t) - x).square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_compiled_blocks_match_eager_and_keep_names(checkpoint: bool):
+    eager = make(checkpoint)
+    compiled = make(checkpoint)
+    keys = list(compiled.state_dict())
+    params = {n: id(p) for n, p in compiled.named_parameters()}
+    counter = CompileCounterWithBackend("aot_eager")
+    cfg = CompileConfig(enabled=True, dynamic=None)
+    paths = compile_blocks(compiled, cfg, backend=counter)
+
+    assert paths == ["blocks.0", "blocks.1", "blocks.2"]
+    assert sum(is_compiled(m) for m in compiled.modules()) == TINY.depth
+    assert list(compiled.state_dict()) == keys
+    assert {n: id(p) for n, p in compiled.named_parameters()} == params
+    ref_loss, ref_grads = loss_and_grads(eager)
+    loss, grads = loss_and_grads(compiled)
+    assert counter.frame_count == 1  # the blocks share one forward, so one graph serves all
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_variable_sequence_lengths_recompile_at_most_twice():
+    model = make()
+    counter = CompileCounter()
+    compile_blocks(model, CompileConfig(enabled=True, dynamic=None), backend=counter)
+    for tokens in (16, 24, 40, 56):
+        loss_and_grads(model, tokens)
+    assert counter.frame_count <= 3  # the static first shape plus at most two recompiles
+
+
+def test_dynamic_false_specialises_on_every_shape():
+    # The contrast that shows the test above can fail: static shapes recompile per length.
+    model = make()
+    counter = CompileCounter()
+    compile_blocks(model, CompileConfig(enabled=True, dynamic=False), backend=counter)
+    for tokens in (16, 24, 40):
+        loss_and_grads(model, tokens)
+    assert counter.frame_count == 3
+
+
+def test_compiling_twice_is_a_no_op_and_uncompile_restores_eager():
+    model = make(checkpoint=True)
+    checkpointed_forward = model.blocks[0].forward
+    cfg = CompileConfig(enabled=True)
+    assert len(compile_blocks(model, cfg, backend="aot_eager")) == TINY.depth
+    assert compile_blocks(model, cfg, backend="aot_eager") == []
+    assert uncompile_blocks(model) == TINY.depth
+    assert model.blocks[0].forward is checkpointed_forward
+    plain = make()
+    compile_blocks(plain, cfg, backend="aot_eager")
+    uncompile_blocks(plain)
+    assert "forward" not in plain.blocks[0].__dict__
+
+
+def test_model_without_repeated_blocks_compiles_its_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    assert compile_blocks(model, CompileConfig(enabled=True), backend="aot_eager") == [""]
+    assert is_compiled(model)
+    torch.testing.assert_close(model(torch.ones(2, 4)), model.forward.original(torch.ones(2, 4)))
+
+
+def test_mode_needs_inductor():
+    with pytest.raises(ValueError, match="inductor"):
+        compile_blocks(make(), CompileConfig(enabled=True, mode="max-autotune"), backend="eager")
