@@ -353,6 +353,7 @@ def test_defaults_of_every_field() -> None:
                     "enabled": False,
                     "selective_ratio": 1.0,
                     "target_paths": [],
+                    "policy": "block",
                 },
                 "activation_offload": False,
             },

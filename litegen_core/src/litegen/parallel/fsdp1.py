@@ -115,7 +115,7 @@ class Fsdp1Strategy(Strategy):
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # The root FSDP unit reduces the partial norms of every rank's shards.
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return model.clip_grad_norm_(max_norm)
 
     # -- full state: base.py's, without offloading when the parameters already are on the CPU --
     def _full_options(self) -> StateDictOptions:
