@@ -45,8 +45,7 @@ def masters_or_weights(gen, model, optimizer) -> dict[str, torch.Tensor]:
 
 def train_with_reference(strategy: str, extra: dict | None = None) -> dict:
     gen, model, optimizer, loader = make(strategy, extra)
-    names = [n for n, _ in gen.unwrap(model).named_parameters()]
-    reference = {n: v for n, v in masters_or_weights(gen, model, optimizer).items() if n in names}
+    reference = masters_or_weights(gen, model, optimizer)  # TinyDiT has no buffers
     for batch in loader:
         loss_fn(model, batch).backward()
         optimizer.step()
@@ -56,9 +55,10 @@ def train_with_reference(strategy: str, extra: dict | None = None) -> dict:
         for n in reference:
             reference[n].lerp_(point[n], 1 - DECAY)
     ema = gen.full_ema_state()
+    assert set(ema) == set(reference), (sorted(ema)[:3], sorted(reference)[:3])
     n_params = sum(p.numel() for p in reference.values())
     return {
-        "ema": {n: ema[n] for n in reference},
+        "ema": ema,
         "reference": reference,
         "local_bytes": gen.ema.local_bytes(),
         "full_bytes": 4 * n_params,

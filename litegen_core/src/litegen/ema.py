@@ -164,3 +164,39 @@ class EMA:
     def local_bytes(self) -> int:
         """Bytes of EMA parameter state this rank holds."""
         return sum(s.ema.numel() * s.ema.element_size() for s in self.slots)
+
+
+class WrappedCopyEMA:
+    """The EMA as an FP32 copy of the model, wrapped by the same strategy (fsdp1).
+
+    Both wrappers shard identically, so each rank averages its local shard pieces
+    element-wise; gathering and DCP go through the strategy like for the model itself.
+
+    Example:
+        >>> ema = WrappedCopyEMA(model, strategy.wrap_model(copy.float()), strategy)
+    """
+
+    def __init__(self, model: nn.Module, copy: nn.Module, strategy) -> None:
+        self.model, self.copy, self.strategy = model, copy, strategy
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        sources = [p.detach().float() for p in self.model.parameters()]
+        torch._foreach_lerp_([p.detach() for p in self.copy.parameters()], sources, 1.0 - decay)
+        for mine, theirs in zip(self.copy.buffers(), self.model.buffers(), strict=True):
+            mine.copy_(theirs)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.strategy.full_model_state(self.copy).items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.strategy.load_full_model_state(self.copy, state)
+
+    def dcp_state(self) -> dict[str, torch.Tensor]:
+        return self.strategy.dcp_state(self.copy)["model"]
+
+    def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.strategy.load_dcp_state(self.copy, None, {"model": state})
+
+    def local_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.copy.parameters())

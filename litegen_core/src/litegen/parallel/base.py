@@ -29,6 +29,9 @@ from litegen.checkpoint.files import save_state
 from litegen.parallel.plan import ParallelPlan
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# On a CPU job there is nothing to offload, and FSDP1's offload path frees the tensors it hands
+# out when the parameters already live on the CPU (torch 2.13): gather in place instead.
+FULL_STATE_ON_CPU = StateDictOptions(full_state_dict=True)
 
 
 class Strategy:
@@ -41,6 +44,8 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    # True when the EMA must be a copy of the model wrapped like it (see build_ema).
+    ema_from_copy: ClassVar[bool] = False
 
     def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
         self.plan = plan
@@ -85,7 +90,7 @@ class Strategy:
     # -- full (unsharded) state, for single-file checkpoints ---------------------------------
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model on CPU, keyed like the user's module; call on every rank."""
-        return get_model_state_dict(model, options=FULL_STATE)
+        return get_model_state_dict(model, options=self._full_options())
 
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a whole-model state (every rank passes the same dict)."""
@@ -93,7 +98,10 @@ class Strategy:
 
     def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
         """The optimizer state keyed by parameter names, whole, on CPU; call on every rank."""
-        return get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+        return get_optimizer_state_dict(model, optimizer, options=self._full_options())
+
+    def _full_options(self) -> StateDictOptions:
+        return FULL_STATE_ON_CPU if self.plan.device.type == "cpu" else FULL_STATE
 
     def load_full_optimizer_state(self, optimizer, model: nn.Module, state: dict) -> None:
         set_optimizer_state_dict(
@@ -101,14 +109,20 @@ class Strategy:
         )
 
     # -- EMA ----------------------------------------------------------------------------------
-    def build_ema(self, model: nn.Module, optimizer=None, *, sharded: bool = True):
+    def build_ema(self, model: nn.Module, optimizer=None, *, sharded: bool = True, template=None):
         """The EMA of ``model``: FP32 shards in this strategy's layout (see ``litegen.ema``).
 
         Replicated parameters are split on dim 0 over the data-parallel mesh; DTensor
-        parameters keep their own mesh and placements.
+        parameters keep their own mesh and placements. For ``ema_from_copy`` strategies,
+        ``template`` is an unwrapped copy of the model taken before wrapping, and the EMA is
+        that copy in FP32, wrapped by this strategy.
         """
-        from litegen.ema import EMA
+        from litegen.ema import EMA, WrappedCopyEMA
         from litegen.parallel.mesh import dp_mesh
+
+        if self.ema_from_copy:
+            assert template is not None, "prepare keeps a template for ema_from_copy strategies"
+            return WrappedCopyEMA(model, self.wrap_model(template.float()), self)
 
         mesh = dp_mesh(self.plan) if sharded else None
         return EMA(self.unwrap(model), mesh=mesh, optimizer=optimizer, sharded=sharded)

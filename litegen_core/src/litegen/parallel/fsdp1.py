@@ -28,16 +28,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from litegen.memory.blocks import repeated_blocks
-from litegen.parallel.base import FULL_STATE, Strategy
+from litegen.parallel.base import Strategy
 from litegen.parallel.fsdp2 import broadcast_from_rank0, rebind_optimizer
 from litegen.precision import DTYPES
 
@@ -76,6 +71,8 @@ class Fsdp1Strategy(Strategy):
     """
 
     name: ClassVar[str] = "fsdp1"
+    # Parameters are views into flat shards, so the EMA is an FP32 copy wrapped the same way.
+    ema_from_copy: ClassVar[bool] = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         modules = dict(model.named_modules())
@@ -104,8 +101,9 @@ class Fsdp1Strategy(Strategy):
         self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
     ) -> torch.optim.Optimizer:
         # use_orig_params keeps the parameter objects; rebinding by name makes that explicit
-        # and still works if a torch version swaps them.
-        return rebind_optimizer(optimizer, model, fqn_of)
+        # and still works if a torch version swaps them. Then whatever the base applies.
+        rebind_optimizer(optimizer, model, fqn_of)
+        return super().wrap_optimizer(optimizer, model, fqn_of)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, FullyShardedDataParallel) else model
@@ -116,18 +114,3 @@ class Fsdp1Strategy(Strategy):
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # The root FSDP unit reduces the partial norms of every rank's shards.
         return model.clip_grad_norm_(max_norm)
-
-    # -- full state: base.py's, without offloading when the parameters already are on the CPU --
-    def _full_options(self) -> StateDictOptions:
-        # FSDP1's offload_to_cpu frees the tensors it hands out when the unsharded parameters
-        # already live on the CPU (a segfault on the next read, torch 2.13); there is nothing
-        # to offload then, so every rank gathers the full state in place.
-        return (
-            FULL_STATE if self.plan.device.type != "cpu" else StateDictOptions(full_state_dict=True)
-        )
-
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(model, options=self._full_options())
-
-    def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
-        return get_optimizer_state_dict(model, optimizer, options=self._full_options())

@@ -9,7 +9,6 @@ names, so optimizers are rebound by name and full/DCP state dicts come from torc
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
@@ -73,15 +72,6 @@ def rebind_optimizer(
     return optimizer
 
 
-def configure_if_available(optimizer: torch.optim.Optimizer, optimization) -> torch.optim.Optimizer:
-    """Apply ``litegen.optim.configure_optimizer`` (master weights, backend) when it exists."""
-    if importlib.util.find_spec("litegen.optim") is None:
-        return optimizer
-    from litegen.optim import configure_optimizer
-
-    return configure_optimizer(optimizer, optimization.optimizer)
-
-
 def broadcast_from_rank0(model: nn.Module) -> None:
     """Start every rank from rank 0's weights, as DDP and FSDP1 (sync_module_states) do."""
     with torch.no_grad():
@@ -130,8 +120,12 @@ class Fsdp2Strategy(Strategy):
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
     ) -> torch.optim.Optimizer:
+        # Imported here: litegen.optim is only needed once an optimizer is prepared.
+        from litegen.optim import configure_optimizer
+
         rebind_optimizer(optimizer, model, fqn_of)
-        return configure_if_available(optimizer, self.optimization)
+        # Backend flags and FP32 master weights (which step DTensor shards via to_local()).
+        return configure_optimizer(optimizer, self.optimization.optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         # fully_shard changes the module's class in place; there is no wrapper to peel off.

@@ -276,11 +276,11 @@ class Zero1Strategy(Strategy):
         self._partitions.setdefault(id(model), []).append(partition)
         return partition.stepper
 
-    def build_ema(self, model: nn.Module, optimizer=None, *, sharded: bool = True):
+    def build_ema(self, model: nn.Module, optimizer=None, *, sharded: bool = True, template=None):
         """Average the partitions this rank steps (bucketed sync); else the generic EMA."""
         parts = self._partitions.get(id(model), [])
         if not sharded or len(parts) != 1 or parts[0].native:
-            return super().build_ema(model, optimizer, sharded=sharded)
+            return super().build_ema(model, optimizer, sharded=sharded, template=template)
         from litegen.parallel.zero_ema import BucketEMA
 
         return BucketEMA(model, parts[0].buckets, parts[0].local)

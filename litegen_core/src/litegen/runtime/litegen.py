@@ -8,6 +8,7 @@ gen.save_model(step=1000)
 
 from __future__ import annotations
 
+import copy
 import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -136,11 +137,18 @@ class LiteGen:
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
 
+    def _ema_target_pending(self) -> bool:
+        """True while the model being prepared would be the one the EMA tracks."""
+        return self.config.ema.enable and not any(m.trainable for m in self.models)
+
     def _build_ema(self, entry: PreparedModel) -> None:
         """EMA of the first trainable model, following its optimizer's master weights if any."""
         ema_cfg = self.config.ema
         optimizer = entry.optimizers[0] if entry.optimizers else None
-        self.ema = entry.strategy.build_ema(entry.module, optimizer, sharded=ema_cfg.sharded)
+        self.ema = entry.strategy.build_ema(
+            entry.module, optimizer, sharded=ema_cfg.sharded, template=entry.ema_template
+        )
+        entry.ema_template = None
         if ema_cfg.resume_from:
             state = load_state(ema_cfg.resume_from, what="ema.resume_from")
             model = entry.strategy.unwrap(entry.module)
@@ -162,6 +170,11 @@ class LiteGen:
 
             apply_fused_layernorm(model)
         if is_trainable(model):
+            template = None
+            if strategy.ema_from_copy and self._ema_target_pending():
+                # Taken before checkpointing and compile touch the blocks: the EMA copy only
+                # holds weights and never runs forward.
+                template = copy.deepcopy(model)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
             if optimization.memory.activation_checkpoint.enabled:
@@ -173,7 +186,8 @@ class LiteGen:
 
                 compiled = compile_blocks(model, optimization.compile)
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
-            return PreparedModel(strategy.wrap_model(model), strategy, trainable=True)
+            wrapped = strategy.wrap_model(model)
+            return PreparedModel(wrapped, strategy, trainable=True, ema_template=template)
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
 
     def _prepare_data(self, data: Any) -> Any:

@@ -25,6 +25,8 @@ class PreparedModel:
     strategy: Strategy
     trainable: bool
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    # An unwrapped copy for strategies whose EMA is a wrapped copy (fsdp1); dropped once used.
+    ema_template: nn.Module | None = None
 
 
 def kind_of(obj: Any, position: int) -> str:
