@@ -131,3 +131,15 @@ def test_global_batch_must_divide_over_ranks_and_accumulation(tmp_path):
 def test_reserved_parallel_degrees_raise(tmp_path):
     with pytest.raises(NotImplementedError, match="sp_size"):
         make_gen(tmp_path, optimization={"parallel": {"sp_size": 2}})
+
+
+def test_optimizer_backend_applies_only_when_written_in_the_config(tmp_path):
+    gen = make_gen(tmp_path)
+    model = nn.Linear(3, 2)
+    _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), foreach=True))
+    assert optimizer.param_groups[0]["foreach"] is True  # the user's choice survives
+
+    gen = make_gen(tmp_path, optimization={"optimizer": {"backend": "single_tensor"}})
+    model = nn.Linear(3, 2)
+    _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), foreach=True))
+    assert optimizer.param_groups[0]["foreach"] is False

@@ -19,6 +19,14 @@ from litegen.trainer import Trainer
 from litegen.utils.config import MainConfig
 
 
+@pytest.fixture(autouse=True)
+def _own_process_group():
+    """Each test joins a one-rank group; leave none behind for tests that fork ranks later."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def pairs(n: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [(torch.randn(4, generator=gen), torch.randn(2, generator=gen)) for _ in range(n)]

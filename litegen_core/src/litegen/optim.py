@@ -40,7 +40,10 @@ def configure_optimizer(
     Example:
         >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
     """
-    set_backend(optimizer, settings.backend)
+    # A backend left at its default keeps the optimizer's own foreach/fused choice, so
+    # AdamW(fused=True) stays fused; a backend written in the config overrides it.
+    if "backend" in settings.model_fields_set:
+        set_backend(optimizer, settings.backend)
     if settings.fp32_master_weights:
         if master_weights:
             enable_master_weights(optimizer)

@@ -420,9 +420,10 @@ class OptimizationConfig(Section):
             raise ValueError(
                 f"Unknown optimization profile {profile!r}; available profiles: {available}"
             )
-        base = self.to_dict()
-        base.pop("profiles")
-        merged = _deep_merge(base, self.profiles[profile].to_dict())
+        # Only what was written merges, so the result still knows which fields were set.
+        base = self.model_dump(exclude_unset=True)
+        base.pop("profiles", None)
+        merged = _deep_merge(base, self.profiles[profile].model_dump(exclude_unset=True))
         try:
             return type(self).model_validate(merged)
         except ConfigError as exc:
