@@ -114,11 +114,7 @@ class LiteGenRunner:
         self.gen.update_ema()
 
     def step(self, batch) -> None:
-        t = self.trainer
-        loss = t._micro_step(batch, last=True, accum=1)
-        if t._all_finite(loss):
-            t._optimizer_step()
-        t._zero_grad()
+        self.trainer.run_step(iter([batch]))
 
 
 # -------------------------------------------------------------------------- hand-written side

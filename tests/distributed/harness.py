@@ -64,6 +64,10 @@ def _worker(
 
     # Several ranks share few CPU cores in CI; one thread each avoids oversubscription.
     torch.set_num_threads(1)
+    if dist.is_initialized():
+        # Forked from a test process that left a (one-rank) group behind: this rank must
+        # join the new job's group, not keep the parent's.
+        dist.destroy_process_group()
     path = Path(out_dir, f"rank{rank}.pkl")
     tmp = Path(out_dir, f".rank{rank}.tmp")
     try:

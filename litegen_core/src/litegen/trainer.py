@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
 from litegen.entry import load_entry
 from litegen.flops import StepThroughput
+from litegen.loss_guard import LossGuard
 from litegen.metrics import MetricsLogger
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
@@ -38,6 +40,15 @@ from litegen.utils.config import MainConfig
 log = logging.getLogger("litegen")
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's mean micro-batch loss and gradient norm, still on the device."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None
+    finite: bool
 
 
 class Trainer:
@@ -74,6 +85,7 @@ class Trainer:
         self.models = [m.module for m in gen.models if m.trainable]
         self.step = getattr(self.loader.batch_sampler, "start_step", 0)
         self._step_kwargs = _keyword_filter(train_step)
+        self.loss_guard = LossGuard(gen.device)
         # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
         self.checkpointer = RunCheckpointer(
@@ -120,17 +132,13 @@ class Trainer:
             (loss / accum).backward()
         return loss.detach().float()
 
-    def _all_finite(self, loss_sum: torch.Tensor) -> bool:
-        flag = torch.tensor([float(not torch.isfinite(loss_sum))], device=loss_sum.device)
-        dist.all_reduce(flag)
-        return flag.item() == 0
-
-    def _optimizer_step(self) -> float | None:
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Clip, step, schedule, EMA; returns the gradient norm (on the device) when clipping."""
         grad_norm = None
         max_norm = self.config.trainer.max_grad_norm
         if max_norm is not None:
             norms = [self.gen.clip_grad_norm_(model, max_norm) for model in self.models]
-            grad_norm = float(torch.stack([n.float().cpu() for n in norms]).norm())
+            grad_norm = torch.stack([n.detach().float().reshape(()) for n in norms]).norm()
         for optimizer in self.optimizers:
             optimizer.step()
         for scheduler in self.schedulers:
@@ -138,6 +146,34 @@ class Trainer:
         if self.gen.ema is not None:
             self.gen.update_ema()
         return grad_norm
+
+    def run_step(self, batches) -> StepResult:
+        """One optimizer step: the micro-batches, the non-finite check, the update.
+
+        A skipped step (``on_nan: skip``) still consumed its batches, and the step counter (the
+        sampler's cursor) advances either way, so logs, checkpoints and resume stay aligned.
+        """
+        accum = self.config.trainer.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.gen.device)
+        for micro in range(accum):
+            loss_sum += self._micro_step(next(batches), last=micro == accum - 1, accum=accum)
+        finite, grad_norm = True, None
+        if self.config.trainer.on_nan == "skip":
+            finite = self.loss_guard.finite_now(loss_sum)
+            if finite:
+                grad_norm = self._optimizer_step()
+            else:
+                log.warning(
+                    "the loss is not finite at step %d on at least one rank; skipping this "
+                    "step (trainer.on_nan: skip).",
+                    self.step + 1,
+                )
+        else:
+            self.loss_guard.defer(loss_sum, self.step + 1)
+            grad_norm = self._optimizer_step()
+        self._zero_grad()
+        self.step += 1
+        return StepResult(loss_sum / accum, grad_norm, finite)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers:
@@ -155,7 +191,6 @@ class Trainer:
             if source is not None:
                 self.resume(source)
         cfg = self.config.trainer
-        accum = cfg.grad_accum_steps
         for model in self.models:
             model.train()
         losses: list[float] = []
@@ -173,46 +208,30 @@ class Trainer:
             start_step=self.step,
         ) as metrics:
             while self.step < self.config.max_steps:
-                loss_sum = torch.zeros((), device=self.gen.device)
-                for micro in range(accum):
-                    batch = next(batches)
-                    loss_sum += self._micro_step(batch, last=micro == accum - 1, accum=accum)
-                finite = self._all_finite(loss_sum)
-                # A skipped step still consumed its batches: the step (the sampler's cursor)
-                # advances either way, so logging, checkpoints and resume stay aligned.
-                grad_norm = self._optimizer_step() if finite else self._handle_nonfinite()
-                self._zero_grad()
-                self.step += 1
+                result = self.run_step(batches)
                 logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
-                if finite and logged:
-                    dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-                    mean_loss = loss_sum.item() / accum
+                if result.finite and logged:
+                    # The one host sync of a logged step; other steps run ahead freely.
+                    dist.all_reduce(result.loss, op=dist.ReduceOp.AVG)
+                    mean_loss = result.loss.item()
                     losses.append(mean_loss)
                     now = time.perf_counter()
                     window = self.throughput.metrics(self.step - last_log[1], now - last_log[0])
                     last_log = (now, self.step)
                     values = {"loss": mean_loss, **window}
                     values["lr"] = self.optimizers[0].param_groups[0]["lr"]
-                    if grad_norm is not None:
-                        values["grad_norm"] = grad_norm
+                    if result.grad_norm is not None:
+                        values["grad_norm"] = result.grad_norm.item()
                     metrics.log(self.step, **values)
                 else:
                     metrics.advance(self.step)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_run_checkpoint()
+        self.loss_guard.raise_if_nonfinite()  # the last step's deferred check
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
         return losses
-
-    def _handle_nonfinite(self) -> None:
-        """Abort, or skip the step: no optimizer, scheduler or EMA update (grads are dropped)."""
-        message = f"the loss is not finite at step {self.step + 1} on at least one rank"
-        if self.config.trainer.on_nan == "abort":
-            raise FloatingPointError(
-                f"{message}; training stopped (set trainer.on_nan: skip to skip such steps)."
-            )
-        log.warning("%s; skipping this step (trainer.on_nan: skip).", message)
 
     # -- run checkpoints and resume -----------------------------------------------------------
     def resume_source(self) -> Path | None:
