@@ -117,9 +117,9 @@ def build(config):
 def train_step(batch, model, config):
     """Rectified-flow loss of one micro-batch, with labels dropped for guidance."""
     images, labels = batch
-    drop = torch.rand(labels.shape) < config.model.class_dropout
+    drop = torch.rand(labels.shape, device=labels.device) < config.model.class_dropout
     labels = torch.where(drop, torch.full_like(labels, NUM_CLASSES), labels)
-    t = torch.rand(images.shape[0])
+    t = torch.rand(images.shape[0], device=images.device)
     noise = torch.randn_like(images)
     x_t = (1 - t[:, None, None, None]) * images + t[:, None, None, None] * noise
     return torch.nn.functional.mse_loss(model(x_t, t, labels), noise - images)

@@ -296,10 +296,10 @@ def build(config):
 def train_step(batch, model, latents, config, step):
     """Rectified-flow loss on the cached latents of one micro-batch, labels dropped for guidance."""
     indices, labels = batch
-    x0 = latents.lookup(indices, step)
-    drop = torch.rand(labels.shape) < config.model.class_dropout
+    x0 = latents.lookup(indices, step).to(labels.device)
+    drop = torch.rand(labels.shape, device=labels.device) < config.model.class_dropout
     labels = torch.where(drop, torch.full_like(labels, NUM_CLASSES), labels)
-    t = torch.rand(x0.shape[0])
+    t = torch.rand(x0.shape[0], device=x0.device)
     noise = torch.randn_like(x0)
     x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
     return nn.functional.mse_loss(model(x_t, t, labels), noise - x0)

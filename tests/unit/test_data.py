@@ -87,3 +87,15 @@ def test_dataloader_uses_the_dataset_collate_fn_and_config():
     loader = build_dataloader(WithCollate(), config=config, dp_rank=0, dp_size=2)
     out = list(loader)
     assert len(out) == 2 and all(b.shape == (2,) for b in out)
+
+
+def test_to_device_moves_nested_tensors_and_keeps_containers():
+    from collections import namedtuple
+
+    from litegen.data import to_device
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": (torch.ones(1), ["text", torch.zeros(2)]), "b": Pair(torch.ones(3), 7)}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["a"][0].device.type == "meta" and moved["a"][1][0] == "text"
+    assert isinstance(moved["b"], Pair) and moved["b"].x.device.type == "meta" and moved["b"].y == 7

@@ -34,6 +34,11 @@ class _Slot:
     ema: torch.Tensor
     mesh: DeviceMesh | None  # None: a full replica
     placements: tuple
+    # The view the update reads, and the master tensor it was taken from (None: the
+    # parameter). Parameters and masters are updated in place, so the view stays valid until
+    # the optimizer hands out a new master (first step, or loading a state).
+    source: torch.Tensor | None = None
+    source_of: torch.Tensor | None = None
 
     def as_dtensor(self) -> torch.Tensor:
         if self.mesh is None:
@@ -102,24 +107,31 @@ class EMA:
             ema = local(param.detach()).float().clone()
             self.slots.append(_Slot(name, param, local, ema, slot_mesh, placements))
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        # Resolved once: walking the module tree at every update costs more than the copies.
+        self._buffer_pairs = [(self.buffers[n], b) for n, b in model.named_buffers()]
 
     def _source(self, slot: _Slot) -> torch.Tensor:
         """The current value of the slot's piece: the FP32 master when the optimizer has one."""
         state = self.optimizer.state.get(slot.param) if self.optimizer is not None else None
         master = state.get("master") if state else None
+        if slot.source is not None and master is slot.source_of and slot.mesh is not None:
+            return slot.source  # unchanged since last time (DTensor views cost microseconds)
         if master is not None and master.shape == slot.param.shape:
-            return slot.local(master.detach())
-        if master is not None and master.shape == slot.ema.shape:
-            return _to_local(master.detach())
-        return slot.local(slot.param.detach())
+            view = slot.local(master.detach())
+        elif master is not None and master.shape == slot.ema.shape:
+            view = _to_local(master.detach())
+        else:
+            view = slot.local(slot.param.detach())
+        slot.source, slot.source_of = view, master
+        return view
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
         """``ema = decay * ema + (1 - decay) * weights`` over all local shards at once."""
         sources = [self._source(s).float() for s in self.slots]
         torch._foreach_lerp_([s.ema for s in self.slots], sources, 1.0 - decay)
-        for name, buffer in self.model.named_buffers():
-            self.buffers[name].copy_(buffer)
+        for mine, theirs in self._buffer_pairs:
+            mine.copy_(theirs)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
+from litegen.data import to_device
 from litegen.entry import load_entry
 from litegen.flops import StepThroughput
 from litegen.loss_guard import LossGuard
@@ -156,7 +157,8 @@ class Trainer:
         accum = self.config.trainer.grad_accum_steps
         loss_sum = torch.zeros((), device=self.gen.device)
         for micro in range(accum):
-            loss_sum += self._micro_step(next(batches), last=micro == accum - 1, accum=accum)
+            batch = to_device(next(batches), self.gen.device)
+            loss_sum += self._micro_step(batch, last=micro == accum - 1, accum=accum)
         finite, grad_norm = True, None
         if self.config.trainer.on_nan == "skip":
             finite = self.loss_guard.finite_now(loss_sum)
