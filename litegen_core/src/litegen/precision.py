@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from litegen.module_paths import submodules_at
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -21,15 +23,10 @@ def cast_model(model: nn.Module, dtype: str, exclude_paths: Iterable[str] = ()) 
         >>> cast_model(model, "bf16", exclude_paths=["final_layer"])
     """
     target = DTYPES[dtype]
-    excluded = list(exclude_paths)
+    excluded = list(
+        submodules_at(model, exclude_paths, "optimization.precision.cast_exclude_paths")
+    )
     modules = dict(model.named_modules())
-    unknown = [p for p in excluded if p not in modules]
-    if unknown:
-        raise ValueError(
-            f"optimization.precision.cast_exclude_paths names modules the model does not have: "
-            f"{unknown}; use dotted paths from model.named_modules(), e.g. "
-            f"{[n for n in modules if n][:3]}."
-        )
 
     def skipped(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in excluded)

@@ -28,6 +28,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from litegen.module_paths import submodules_at
+
 aten = torch.ops.aten
 
 # Outputs kept by the ``ops`` policy: the expensive ops (matmuls, attention, convolutions).
@@ -148,14 +150,7 @@ def checkpoint_modules(
 
 def check_paths(model: nn.Module, paths: Sequence[str]) -> None:
     """Raise ``ValueError`` for unknown paths, the root, or paths nested inside one another."""
-    known = dict(model.named_modules())
-    unknown = [p for p in paths if p not in known]
-    if unknown:
-        raise ValueError(
-            f"activation checkpoint paths {unknown} are not submodules of "
-            f"{type(model).__name__}; use dotted names from model.named_modules(), e.g. "
-            f"{[n for n in known if n][:4]}."
-        )
+    submodules_at(model, paths, "optimization.memory.activation_checkpoint.target_paths")
     if "" in paths:
         raise ValueError("the root module cannot be checkpointed; list its blocks instead.")
     nested = [(a, b) for a in paths for b in paths if b.startswith(a + ".")]

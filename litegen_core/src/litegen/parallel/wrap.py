@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from litegen.memory.blocks import repeated_blocks
+from litegen.module_paths import submodules_at
 
 _FIELD = "optimization.parallel.fsdp2"
 
@@ -168,14 +169,8 @@ def excluded_modules(model: nn.Module, cfg: Any) -> list[str]:
         >>> excluded_modules(dit, FSDP2Config(exclude_paths=["time"]))
         ['time']
     """
-    paths = list(cfg.exclude_paths)
-    modules = dict(model.named_modules())
-    unknown = [p for p in paths if p not in modules]
-    if unknown:
-        raise ValueError(
-            f"{_FIELD}.exclude_paths names modules the model does not have: {unknown}; use "
-            f"dotted paths from model.named_modules(), e.g. {[n for n in modules if n][:4]}."
-        )
+    modules = submodules_at(model, cfg.exclude_paths, f"{_FIELD}.exclude_paths")
+    paths = list(modules)
     trainable = [p for p in paths if any(t.requires_grad for t in modules[p].parameters())]
     if trainable:
         # Excluded parameters stay replicated and outside FSDP's gradient reduction, so

@@ -1,0 +1,26 @@
+"""Dotted module paths from the config (``exclude_paths``, ``target_paths``, ...), checked once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+
+def submodules_at(model: nn.Module, paths: Iterable[str], field: str) -> dict[str, nn.Module]:
+    """The modules ``paths`` name; a ValueError naming ``field`` lists any that do not exist.
+
+    Example:
+        >>> submodules_at(dit, ["blocks.0"], "optimization.memory.activation_checkpoint.target_paths")
+        {'blocks.0': DiTBlock(...)}
+    """
+    modules = dict(model.named_modules())
+    paths = list(paths)
+    unknown = [p for p in paths if p not in modules]
+    if unknown:
+        raise ValueError(
+            f"{field} names modules that {type(model).__name__} does not have (not submodules): "
+            f"{unknown}; use dotted paths from model.named_modules(), e.g. "
+            f"{[n for n in modules if n][:4]}."
+        )
+    return {p: modules[p] for p in paths}
