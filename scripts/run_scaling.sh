@@ -10,9 +10,12 @@
 #                                                   #   HSDP 2 nodes x 1 rank (about 1-2 min)
 #
 # Environment: LITEGEN_PYTHON (interpreter), SCALING_OUT (JSON and logs; default
-# results/scaling), SIZES (default "1 2 4 8" up to the GPU count; "1 2" on CPU), HSDP_SIZES
-# (total GPUs of the HSDP launches; default the largest size), DEVICE (cuda or cpu), TINY=1 (tiny
-# model), BENCH_ARGS (extra bench_scaling.py arguments, e.g. "--compile --steps 10 --warmup 3").
+# results/scaling, results/scaling_cpu on CPU), SIZES (default "1 2 4 8" up to the GPU count;
+# "1 2" on CPU), HSDP_SIZES (total GPUs of the HSDP launches; default the largest size; empty:
+# none), DEVICE (cuda or cpu), TINY=1 (tiny model), BENCH_ARGS (extra bench_scaling.py
+# arguments, e.g. "--compile --steps 10 --warmup 3").
+# The summary covers every JSON in SCALING_OUT, so sizes can be run in separate calls (SIZES=8
+# HSDP_SIZES= ..., then SIZES=4 HSDP_SIZES="4 8" ...); use a fresh SCALING_OUT for a new run.
 # Exits non-zero when a launch failed or a loss is outside the bf16 tolerance of ddp's.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,9 +32,6 @@ else
     PY=(python3)
 fi
 DEVICE=${DEVICE:-cuda}
-OUT=${SCALING_OUT:-results/scaling} # results/ is git-ignored
-mkdir -p "$OUT"
-rm -f "$OUT"/*.json # the summary reads every JSON here: none from an earlier run
 # `python -m torch.distributed.run` is torchrun, with the interpreter chosen above.
 TORCHRUN=("${PY[@]}" -m torch.distributed.run)
 BENCH=(scripts/bench_scaling.py --device "$DEVICE" ${BENCH_ARGS:-})
@@ -43,6 +43,7 @@ if [ "$DEVICE" = cpu ]; then
     # CPU ranks talk over gloo on the loopback interface; no GPU count to respect.
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
     SIZES=${SIZES:-1 2}
+    OUT=${SCALING_OUT:-results/scaling_cpu} # results/ is git-ignored; CPU apart from GPU runs
 else
     NGPU=$("${PY[@]}" -c "import torch; print(torch.cuda.device_count())")
     if [ "$NGPU" -lt 1 ]; then
@@ -50,14 +51,17 @@ else
         exit 2
     fi
     SIZES=${SIZES:-$(for n in 1 2 4 8; do [ "$n" -le "$NGPU" ] && echo "$n"; done)}
+    OUT=${SCALING_OUT:-results/scaling}
 fi
+mkdir -p "$OUT"
 SIZES=$(echo $SIZES) # one line
-HSDP_SIZES=${HSDP_SIZES:-${SIZES##* }}
+HSDP_SIZES=${HSDP_SIZES-${SIZES##* }} # set but empty: no HSDP launch
 failed=0
 
 # 1. Weak scaling: one single-node launch per size, batch per GPU fixed.
 for n in $SIZES; do
     echo "== $n rank(s): ddp zero1 fsdp2 (log $OUT/n$n.log)"
+    rm -f "$OUT/n$n.json" # a failed launch must not leave an older result for the summary
     if ! "${TORCHRUN[@]}" --standalone --nproc_per_node="$n" "${BENCH[@]}" \
         --out "$OUT/n$n.json" >"$OUT/n$n.log" 2>&1; then
         echo "   FAILED; last lines:" && tail -n 5 "$OUT/n$n.log"
@@ -76,6 +80,7 @@ for n in $HSDP_SIZES; do
     port=$("${PY[@]}" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
     node=(--nnodes 2 --nproc_per_node "$half" --rdzv_backend c10d --rdzv_endpoint "localhost:$port")
     echo "== HSDP 2 nodes x $half rank(s): hsdp fsdp2 (log $OUT/hsdp$n.log)"
+    rm -f "$OUT/hsdp$n.json"
     gpus0="" gpus1=""
     if [ "$DEVICE" = cuda ]; then
         gpus0=$(seq -s, 0 $((half - 1)))

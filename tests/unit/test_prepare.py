@@ -1,5 +1,7 @@
 """initialize and prepare in one process: order, rejections, init/resume, save and load."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +145,28 @@ def test_optimizer_backend_applies_only_when_written_in_the_config(tmp_path):
     model = nn.Linear(3, 2)
     _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), foreach=True))
     assert optimizer.param_groups[0]["foreach"] is False
+
+
+def test_a_failed_model_state_save_keeps_the_previous_one(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    gen = make_gen(tmp_path)
+    model = gen.prepare(nn.Linear(3, 2))
+    saved = gen.unwrap(model).weight.detach().clone()
+    target = tmp_path / "state"
+    gen.save_model_state(target, model=model)
+
+    def dies_midway(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "half.distcp").write_bytes(b"partial")
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(dcp, "save", dies_midway)
+    with torch.no_grad():
+        gen.unwrap(model).weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="killed"):
+        gen.save_model_state(target, model=model)
+    monkeypatch.undo()
+    assert not (target / "half.distcp").exists()
+    gen.load_model_state(target, model=model)
+    torch.testing.assert_close(gen.unwrap(model).weight, saved)

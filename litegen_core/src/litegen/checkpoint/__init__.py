@@ -6,6 +6,7 @@ from litegen.checkpoint.files import (
     checkpoint_path,
     load_state,
     optimizer_path_for,
+    replace_dir,
     save_state,
 )
 from litegen.checkpoint.run_state import (
@@ -28,6 +29,7 @@ __all__ = [
     "list_checkpoints",
     "load_state",
     "optimizer_path_for",
+    "replace_dir",
     "resolve_checkpoint",
     "restore_rng",
     "save_state",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
+import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,6 +68,28 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def replace_dir(tmp: str | Path, final: str | Path) -> Path:
+    """Rename a finished folder onto ``final``; an older ``final`` steps aside, then goes.
+
+    A crash between the two renames leaves the old folder under ``.<name>.old-*``, never a
+    half-written one under ``final``.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final
 
 
 def save_state(state: Mapping[str, Any], path: str | Path) -> Path:

@@ -18,7 +18,6 @@ at any point therefore leaves the previous complete checkpoint untouched and loa
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from litegen.checkpoint.files import atomic_write, check_model_state
+from litegen.checkpoint.files import atomic_write, check_model_state, replace_dir
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -244,10 +243,7 @@ class RunCheckpointer:
                 continue
             import torch.distributed.checkpoint as dcp
 
-            entry = self.gen._entry(module)
-            state = entry.strategy.dcp_state(module, optimizer)
-            if ema:
-                state["ema"] = self.gen.ema.dcp_state()
+            state = self.gen.dcp_state(module, optimizer, ema=ema)
             # async_save copies the state to CPU memory before returning, so the loop may
             # change the weights while the copy is written.
             futures.append(
@@ -348,23 +344,7 @@ class RunCheckpointer:
 def _publish(tmp: Path, final: Path) -> None:
     """Mark ``tmp`` complete and rename it to ``final`` (replacing an older one of that name)."""
     atomic_write(tmp / COMPLETE, _text_writer("ok\n"))
-    if final.exists():
-        # A resumed run reaching a step saved before: the old folder steps aside first.
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_dir(tmp, final)
 
 
 def _text_writer(text: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import uuid
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from litegen.checkpoint import (
     checkpoint_path,
     load_state,
     optimizer_path_for,
+    replace_dir,
     save_state,
 )
 from litegen.data import build_dataloader
@@ -296,22 +298,36 @@ class LiteGen:
             entry.optimizers[0], entry.module, path, state_format
         )
 
+    def dcp_state(self, model=None, optimizer=None, ema=None) -> dict[str, Any]:
+        """The state dict torch.distributed.checkpoint saves and loads in place (sharded)."""
+        entry = self._entry(model)
+        state = entry.strategy.dcp_state(entry.module, optimizer)
+        if ema:
+            state["ema"] = self.ema.dcp_state()
+        return state
+
     def save_model_state(self, path: str | Path, model=None, optimizer=None, ema=None) -> Path:
         """Save sharded model/optimizer/EMA state with torch.distributed.checkpoint (a folder).
 
-        It reshards on load, so a run saved on 4 ranks loads on 2. Call on every rank.
+        It reshards on load, so a run saved on 4 ranks loads on 2. The folder is written under
+        a temporary name and renamed into place once every rank is done. Call on every rank.
 
         Example:
             >>> gen.save_model_state("ckpt/step1000", optimizer=optimizer, ema=True)
         """
         import torch.distributed.checkpoint as dcp
 
-        entry = self._entry(model)
-        state = entry.strategy.dcp_state(entry.module, optimizer)
-        if ema:
-            state["ema"] = self.ema.dcp_state()
-        dcp.save(state, checkpoint_id=str(path))
-        return Path(path)
+        state = self.dcp_state(model, optimizer, ema)
+        target = Path(path)
+        name = [f".{target.name}.partial-{uuid.uuid4().hex[:8]}"]
+        dist.broadcast_object_list(name, src=0)  # one temporary folder for every rank
+        partial = target.with_name(name[0])
+        dcp.save(state, checkpoint_id=str(partial))
+        dist.barrier()
+        if self.is_main_process:
+            replace_dir(partial, target)
+        dist.barrier()
+        return target
 
     def load_model_state(self, path: str | Path, model=None, optimizer=None, ema=None) -> None:
         """Load what :meth:`save_model_state` wrote, resharding to this job's layout."""
@@ -323,9 +339,7 @@ class LiteGen:
                 "point to a folder written by gen.save_model_state."
             )
         entry = self._entry(model)
-        state = entry.strategy.dcp_state(entry.module, optimizer)
-        if ema:
-            state["ema"] = self.ema.dcp_state()
+        state = self.dcp_state(model, optimizer, ema)
         dcp.load(state, checkpoint_id=str(path))
         entry.strategy.load_dcp_state(entry.module, optimizer, state)
         if ema:
