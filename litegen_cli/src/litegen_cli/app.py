@@ -27,8 +27,8 @@ app = typer.Typer(
     # Errors are printed as panels by the commands; a crash must not dump locals.
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
-    epilog="Examples: litegen inspect-config recipes/digits.yaml max_steps=10 | "
-    "litegen launch recipes/digits.yaml launch.nproc_per_node=2",
+    epilog="Examples: litegen inspect-config recipes/digits_dit.yaml max_steps=10 | "
+    "litegen launch recipes/digits_dit.yaml launch.nproc_per_node=2",
 )
 
 RecipeArg = Annotated[

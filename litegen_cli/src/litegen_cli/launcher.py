@@ -74,7 +74,7 @@ def write_resolved_recipe(recipe: Recipe) -> Path:
     The file is written to a temporary name and renamed, so a rank (or another node on a
     shared file system) never reads a half-written recipe.
 
-    >>> write_resolved_recipe(load_recipe("recipes/digits.yaml"))  # doctest: +SKIP
+    >>> write_resolved_recipe(load_recipe("recipes/digits_dit.yaml"))  # doctest: +SKIP
     PosixPath('results/digits/recipe.resolved.yaml')
     """
     results_dir = Path(recipe.config.get_results_dir())
@@ -114,7 +114,7 @@ def launch(recipe: Recipe) -> Path:
     Returns the resolved recipe path when every rank exits 0; raises LaunchFailed when a
     rank fails and RecipeError when the recipe is unusable (nothing is spawned then).
 
-    >>> launch(load_recipe("recipes/digits.yaml", ["max_steps=10"]))  # doctest: +SKIP
+    >>> launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))  # doctest: +SKIP
     """
     derive_plan(recipe)  # raises before anything is written or spawned
     resolved = write_resolved_recipe(recipe)

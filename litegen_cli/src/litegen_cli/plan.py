@@ -44,7 +44,7 @@ def _get(section: Any, name: str, default: Any) -> Any:
 def derive_plan(recipe: Recipe) -> RunPlan:
     """Derive the plan; raise RecipeError when the batch does not split evenly over ranks.
 
-    >>> plan = derive_plan(load_recipe("recipes/digits.yaml"))  # doctest: +SKIP
+    >>> plan = derive_plan(load_recipe("recipes/digits_dit.yaml"))  # doctest: +SKIP
     >>> plan.world_size, plan.micro_batch  # doctest: +SKIP
     (2, 16)
     """

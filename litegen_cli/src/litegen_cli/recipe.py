@@ -82,7 +82,7 @@ class Recipe:
 
     Example::
 
-        recipe = load_recipe(Path("recipes/digits.yaml"), ["max_steps=10"])
+        recipe = load_recipe(Path("recipes/digits_dit.yaml"), ["max_steps=10"])
         recipe.launch.nproc_per_node, recipe.config.max_steps
     """
 
@@ -209,7 +209,7 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
         raise RecipeError(
             [f"recipe file '{path}' {what}"],
             title="Cannot read the recipe:",
-            hint="Pass the path of a YAML recipe, e.g. `litegen launch recipes/digits.yaml`.",
+            hint="Pass the path of a YAML recipe, e.g. `litegen launch recipes/digits_dit.yaml`.",
         )
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
@@ -237,7 +237,7 @@ def load_recipe(
 
     ``env`` defaults to ``os.environ`` and is only read for SLURM variables.
 
-    >>> recipe = load_recipe("recipes/digits.yaml", ["launch.nproc_per_node=2"])  # doctest: +SKIP
+    >>> recipe = load_recipe("recipes/digits_dit.yaml", ["launch.nproc_per_node=2"])  # doctest: +SKIP
     >>> recipe.launch.nproc_per_node  # doctest: +SKIP
     2
     """

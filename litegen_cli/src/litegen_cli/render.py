@@ -36,7 +36,7 @@ def _add_leaf(tree: Tree, key: Any, value: Any) -> None:
 def config_tree(recipe: Recipe) -> Tree:
     """The resolved recipe (launch + validated config) as a rich tree.
 
-    >>> console.print(config_tree(load_recipe("recipes/digits.yaml")))  # doctest: +SKIP
+    >>> console.print(config_tree(load_recipe("recipes/digits_dit.yaml")))  # doctest: +SKIP
     """
     tree = Tree(f"[bold]{escape(str(recipe.path))}[/] (resolved)")
     _add(tree, recipe.resolved_dict())

@@ -6,6 +6,8 @@ show a one-line reason per failed rank instead of every rank's traceback.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,18 +22,32 @@ def main(argv: list[str] | None = None) -> None:
 
     Example (what torchrun runs on every rank)::
 
-        python -m litegen_cli.worker results/digits/recipe.resolved.yaml
+        python -m litegen_cli.worker results/digits_dit/recipe.resolved.yaml
     """
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m litegen_cli.worker RESOLVED_RECIPE")
     recipe = load_recipe(Path(args[0]))
+    _configure_logging(int(os.environ.get("RANK", "0")))
 
     from litegen.trainer import run_entry
 
     # base_dir is the ORIGINAL recipe folder (launch.recipe_dir), not the results dir the
     # resolved copy lives in, so relative entry paths resolve as the user wrote them.
     run_entry(recipe.config, entry=recipe.launch.entry, base_dir=recipe.base_dir)
+
+
+def _configure_logging(rank: int) -> None:
+    """LiteGen's INFO lines (what was checkpointed, compiled, resumed) from rank 0 only;
+    warnings from every rank, tagged with it."""
+    from rich.logging import RichHandler
+
+    handler = RichHandler(show_path=False, show_time=False, markup=False)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+    logger = logging.getLogger("litegen")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
 
 
 if __name__ == "__main__":

@@ -294,9 +294,10 @@ class LiteGen:
         if not entry.optimizers:
             raise ValueError("save_optimizer: no optimizer was prepared with this model.")
         path = self._path("optimizer", output_folder, filename, step)
-        return entry.strategy.save_optimizer_file(
-            entry.optimizers[0], entry.module, path, state_format
-        )
+        entry.strategy.save_optimizer_file(entry.optimizers[0], entry.module, path, state_format)
+        if self.is_main_process:
+            log.info("saved %s", path)
+        return path
 
     def dcp_state(self, model=None, optimizer=None, ema=None) -> dict[str, Any]:
         """The state dict torch.distributed.checkpoint saves and loads in place (sharded)."""
