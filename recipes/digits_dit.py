@@ -69,13 +69,25 @@ class DiTBlock(nn.Module):
 
 
 class DiT(nn.Module):
-    """Patchify, add positions, condition on (time, class), run blocks, unpatchify."""
+    """Patchify, add positions, condition on (time, class), run blocks, unpatchify.
 
-    def __init__(self, hidden_size: int, depth: int, num_heads: int, patch_size: int) -> None:
+    ``channels`` x ``image_size`` x ``image_size`` inputs: 1x8x8 digits here, autoencoder
+    latents in ``digits_latent_dit.py``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        depth: int,
+        num_heads: int,
+        patch_size: int,
+        channels: int = 1,
+        image_size: int = 8,
+    ) -> None:
         super().__init__()
-        self.patch = patch_size
-        self.grid = 8 // patch_size
-        self.embed = nn.Linear(patch_size * patch_size, hidden_size)
+        self.channels, self.patch, self.grid = channels, patch_size, image_size // patch_size
+        token = channels * patch_size * patch_size
+        self.embed = nn.Linear(token, hidden_size)
         self.pos = nn.Parameter(torch.randn(1, self.grid * self.grid, hidden_size) * 0.02)
         self.time = nn.Sequential(
             nn.Linear(hidden_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
@@ -83,20 +95,20 @@ class DiT(nn.Module):
         self.label = nn.Embedding(NUM_CLASSES + 1, hidden_size)  # the last row is "no class"
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads) for _ in range(depth))
         self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
-        self.out = nn.Linear(hidden_size, patch_size * patch_size)
+        self.out = nn.Linear(hidden_size, token)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
         self.hidden_size = hidden_size
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        b, p, g = x.shape[0], self.patch, self.grid
-        tokens = x.reshape(b, 1, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, p * p)
+        b, c, p, g = x.shape[0], self.channels, self.patch, self.grid
+        tokens = x.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
         h = self.embed(tokens) + self.pos
-        c = self.time(timestep_embedding(t, self.hidden_size)) + self.label(y)
+        cond = self.time(timestep_embedding(t, self.hidden_size)) + self.label(y)
         for block in self.blocks:
-            h = block(h, c)
+            h = block(h, cond)
         out = self.out(self.norm(h))
-        return out.reshape(b, g, g, 1, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 1, 8, 8)
+        return out.reshape(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
 
 
 def build(config):
@@ -127,11 +139,16 @@ def train_step(batch, model, config):
 
 @torch.no_grad()
 def sample(
-    model: nn.Module, labels: torch.Tensor, steps: int, guidance: float, seed: int
+    model: nn.Module,
+    labels: torch.Tensor,
+    steps: int,
+    guidance: float,
+    seed: int,
+    shape: tuple[int, ...] = (1, 8, 8),
 ) -> torch.Tensor:
-    """Euler integration from noise to images with classifier-free guidance."""
+    """Euler integration from noise (t = 1) to data (t = 0) with classifier-free guidance."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(labels), 1, 8, 8, generator=generator)
+    x = torch.randn(len(labels), *shape, generator=generator)
     null = torch.full_like(labels, NUM_CLASSES)
     for i in range(steps, 0, -1):
         t = torch.full((len(labels),), i / steps)
@@ -139,7 +156,7 @@ def sample(
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null])
         ).chunk(2)
         x = x - (v_null + guidance * (v_cond - v_null)) / steps
-    return x.clamp(-1, 1)
+    return x
 
 
 def finish(model, gen, config):
@@ -156,7 +173,7 @@ def finish(model, gen, config):
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
     images = sample(
         sampler, labels, config.sampling.steps, config.sampling.guidance, config.global_seed
-    )
+    ).clamp(-1, 1)
     save_grid(
         images.reshape(NUM_CLASSES, per_class, 8, 8), Path(config.get_results_dir()) / "samples.png"
     )

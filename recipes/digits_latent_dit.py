@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from digits_autoencoder import DigitsAutoencoder
-from digits_dit import NUM_CLASSES, Digits, DiTBlock, save_grid, timestep_embedding
+from digits_dit import NUM_CLASSES, Digits, DiT, sample, save_grid
 from torch import nn
 
 from litegen.cache import TensorCache, fingerprint
@@ -215,49 +215,11 @@ class CachedLatents:
             )
 
 
-class LatentDiT(nn.Module):
-    """The digits DiT on (channels, size, size) latents: patchify, blocks, unpatchify."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        depth: int,
-        num_heads: int,
-        patch_size: int,
-        latent_shape: tuple[int, int, int],
-    ) -> None:
-        super().__init__()
-        channels, size, _ = latent_shape
-        self.channels, self.patch, self.grid = channels, patch_size, size // patch_size
-        token = channels * patch_size * patch_size
-        self.embed = nn.Linear(token, hidden_size)
-        self.pos = nn.Parameter(torch.randn(1, self.grid * self.grid, hidden_size) * 0.02)
-        self.time = nn.Sequential(
-            nn.Linear(hidden_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
-        )
-        self.label = nn.Embedding(NUM_CLASSES + 1, hidden_size)  # the last row is "no class"
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads) for _ in range(depth))
-        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
-        self.out = nn.Linear(hidden_size, token)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
-        self.hidden_size = hidden_size
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        b, c, p, g = x.shape[0], self.channels, self.patch, self.grid
-        tokens = x.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
-        h = self.embed(tokens) + self.pos
-        cond = self.time(timestep_embedding(t, self.hidden_size)) + self.label(y)
-        for block in self.blocks:
-            h = block(h, cond)
-        out = self.out(self.norm(h))
-        return out.reshape(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
-
-
-def make_dit(config, latent_shape: tuple[int, int, int]) -> LatentDiT:
-    """The DiT described by the recipe's ``model`` section, for latents of this shape."""
+def make_dit(config, latent_shape: tuple[int, int, int]) -> DiT:
+    """The digits DiT sized by the recipe's ``model`` section, for latents of this shape."""
     sizes = {k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")}
-    return LatentDiT(**sizes, latent_shape=latent_shape)
+    channels, size, _ = latent_shape
+    return DiT(**sizes, channels=channels, image_size=size)
 
 
 def build(config):
@@ -306,27 +268,6 @@ def train_step(batch, model, latents, config, step):
 
 
 @torch.no_grad()
-def sample_latents(
-    model: nn.Module,
-    labels: torch.Tensor,
-    shape: tuple[int, ...],
-    steps: int,
-    guidance: float,
-    seed: int,
-) -> torch.Tensor:
-    """Euler integration from noise to latents with classifier-free guidance."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(labels), *shape, generator=generator)
-    null = torch.full_like(labels, NUM_CLASSES)
-    for i in range(steps, 0, -1):
-        t = torch.full((len(labels),), i / steps)
-        v_cond, v_null = model(
-            torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null])
-        ).chunk(2)
-        x = x - (v_null + guidance * (v_cond - v_null)) / steps
-    return x
-
-
 def finish(latents, gen, config, step):
     """Report the last (partial) epoch and the totals; rank 0 decodes a grid of EMA samples."""
     if latents.epoch_start is not None and step > latents.epoch_start[1]:
@@ -348,13 +289,13 @@ def finish(latents, gen, config, step):
     sampler.eval()
     per_class = config.sampling.per_class
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-    z = sample_latents(
+    z = sample(
         sampler,
         labels,
-        latents.codec.latent_shape,
         config.sampling.steps,
         config.sampling.guidance,
         config.global_seed,
+        shape=latents.codec.latent_shape,
     )
     images = latents.codec.decode(z)
     save_grid(
