@@ -189,7 +189,9 @@ class LiteGen:
                 compiled = compile_blocks(model, optimization.compile)
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
-            return PreparedModel(wrapped, strategy, trainable=True, ema_template=template)
+            return PreparedModel(
+                wrapped, strategy, trainable=True, ema_template=template, memory=memory
+            )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
 
     def _prepare_data(self, data: Any) -> Any:

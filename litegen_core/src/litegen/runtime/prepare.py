@@ -27,6 +27,8 @@ class PreparedModel:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     # An unwrapped copy for strategies whose EMA is a wrapped copy (fsdp1); dropped once used.
     ema_template: nn.Module | None = None
+    # What activation checkpointing and offload did (litegen.memory.MemoryReport).
+    memory: Any = None
 
 
 def kind_of(obj: Any, position: int) -> str:
