@@ -9,16 +9,13 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.runs import full_weights, train_tiny
 
 pytestmark = pytest.mark.slow
 
 
 def train(strategy: str, compile_: bool) -> dict:
-    import litegen
     import litegen.compile
-    from litegen.trainer import Trainer
-    from litegen.utils.config import MainConfig
 
     real = litegen.compile.compile_blocks
     regions: list[str] = []
@@ -28,12 +25,9 @@ def train(strategy: str, compile_: bool) -> dict:
         return regions
 
     litegen.compile.compile_blocks = aot_eager
-    config = MainConfig.from_dict(
+    gen, model, losses = train_tiny(
         {
-            "runtime": {"device": "cpu"},
-            "global_batch_size": 8,
             "max_steps": 5,
-            "trainer": {"log_every": 1, "save_final": False},
             "optimization": {
                 "parallel": {"strategy": strategy},
                 "compile": {"enabled": compile_},
@@ -41,16 +35,9 @@ def train(strategy: str, compile_: bool) -> dict:
             },
         }
     )
-    gen = litegen.initialize(config)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
-    parts = {"model": model, "optimizer": optimizer, "loader": loader}
-    losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
-    state = gen.models[0].strategy.full_model_state(model)
     return {
         "losses": losses,
-        "state": {k: v.clone() for k, v in state.items()},
+        "state": full_weights(gen, model),
         "regions": list(regions),
     }
 

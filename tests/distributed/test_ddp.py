@@ -4,40 +4,14 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.runs import full_weights, train_tiny
 
 pytestmark = pytest.mark.slow
 
 
 def train(overrides: dict) -> dict:
-    import litegen
-    from litegen.trainer import Trainer
-    from litegen.utils.config import MainConfig
-
-    config = MainConfig.from_dict(
-        {
-            "runtime": {"device": "cpu"},
-            "global_batch_size": 8,
-            "max_steps": 12,
-            "trainer": {"log_every": 1, "save_final": False},
-            "optimization": {"parallel": {"strategy": "ddp"}},
-            **overrides,
-        }
-    )
-    gen = litegen.initialize(config)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
-    losses = Trainer(
-        gen,
-        lambda batch, model: loss_fn(model, batch),
-        {
-            "model": model,
-            "optimizer": optimizer,
-            "loader": loader,
-        },
-    ).fit()
-    return {"losses": losses, "state": gen.unwrap(model).state_dict()}
+    gen, model, losses = train_tiny({"max_steps": 12, **overrides})
+    return {"losses": losses, "state": full_weights(gen, model)}
 
 
 @pytest.mark.parametrize("accum", [1, 2])

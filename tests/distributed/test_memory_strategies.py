@@ -8,39 +8,25 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.runs import full_weights, train_tiny
 
 pytestmark = pytest.mark.slow
 
 
 def train(strategy: str, memory: dict) -> dict:
-    import litegen
-    from litegen.trainer import Trainer
-    from litegen.utils.config import MainConfig
-
-    config = MainConfig.from_dict(
+    gen, model, losses = train_tiny(
         {
-            "runtime": {"device": "cpu"},
-            "global_batch_size": 8,
             "max_steps": 6,
             "trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": 2},
             "optimization": {"parallel": {"strategy": strategy}, "memory": memory},
         }
     )
-    gen = litegen.initialize(config)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
-    parts = {"model": model, "optimizer": optimizer, "loader": loader}
-    losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
-    state = gen.models[0].strategy.full_model_state(model)
     report = gen.models[0].memory
-    offloaded = report.offloader.stats.tensors_offloaded if report.offloader else 0
     return {
         "losses": losses,
-        "state": {k: v.clone() for k, v in state.items()},
+        "state": full_weights(gen, model),
         "checkpointed": len(report.checkpointed),
-        "offloaded": offloaded,
+        "offloaded": report.offloader.stats.tensors_offloaded if report.offloader else 0,
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.runs import full_weights, train_tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,27 +23,15 @@ STEPS = 20
 
 
 def train(strategy: str, accum: int) -> dict:
-    import litegen
-    from litegen.trainer import Trainer
-    from litegen.utils.config import MainConfig
-
-    config = MainConfig.from_dict(
+    gen, model, losses = train_tiny(
         {
             "runtime": {"device": "cuda"},
-            "global_batch_size": 8,
             "max_steps": STEPS,
             "trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": accum},
             "optimization": {"parallel": {"strategy": strategy}},
         }
     )
-    gen = litegen.initialize(config)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
-    parts = {"model": model, "optimizer": optimizer, "loader": loader}
-    losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
-    state = gen.models[0].strategy.full_model_state(model)
-    return {"losses": losses, "state": {k: v.cpu() for k, v in state.items()}}
+    return {"losses": losses, "state": full_weights(gen, model)}
 
 
 @pytest.mark.parametrize("accum", [1, 2])

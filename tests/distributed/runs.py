@@ -1,0 +1,40 @@
+"""One tiny training run through LiteGen's real loop, for tests that compare runs.
+
+Call inside a rank (``harness.run_ranks``): ``train_tiny`` initializes LiteGen from ``fields``,
+prepares the tiny DiT with AdamW and the pair dataset, and trains ``max_steps`` steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.distributed.models import PairDataset, loss_fn, make_model
+
+
+def train_tiny(fields: dict[str, Any]):
+    """Returns ``(gen, model, losses)``; ``fields`` are MainConfig fields over test defaults."""
+    import litegen
+    from litegen.trainer import Trainer
+    from litegen.utils.config import MainConfig
+
+    defaults = {
+        "runtime": {"device": "cpu"},
+        "global_batch_size": 8,
+        "trainer": {"log_every": 1, "save_final": False},
+    }
+    config = MainConfig.from_dict(defaults | fields)
+    gen = litegen.initialize(config)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
+    parts = {"model": model, "optimizer": optimizer, "loader": loader}
+    losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
+    return gen, model, losses
+
+
+def full_weights(gen, model) -> dict[str, torch.Tensor]:
+    """The whole model on CPU, copied (on a CPU run the state may alias the parameters)."""
+    state = gen.models[0].strategy.full_model_state(model)
+    return {name: value.detach().cpu().clone() for name, value in state.items()}
