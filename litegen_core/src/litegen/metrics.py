@@ -16,6 +16,18 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from litegen.checkpoint.files import atomic_write
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Drop records past ``step``: a resumed run rewrites those steps, a fresh one all of them."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(kept), encoding="utf-8"))
+
 
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl`` (rank 0 only).
@@ -39,7 +51,9 @@ class MetricsLogger:
         if not self.enabled:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.folder / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.folder / "metrics.jsonl"
+        _keep_records_up_to(path, self._start)
+        self._file = open(path, "a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
