@@ -111,9 +111,8 @@ class DiT(nn.Module):
         return out.reshape(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
 
 
-def build(config):
-    """Everything to prepare: the model, its optimizer and the data set."""
-    model = DiT(**{k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")})
+def make_optimizer(model: nn.Module, config) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW with 100 warm-up steps, then cosine decay to zero at ``max_steps``."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
@@ -123,6 +122,13 @@ def build(config):
             min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / config.max_steps))
         ),
     )
+    return optimizer, scheduler
+
+
+def build(config):
+    """Everything to prepare: the model, its optimizer and the data set."""
+    model = DiT(**{k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")})
+    optimizer, scheduler = make_optimizer(model, config)
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "dataset": Digits()}
 
 

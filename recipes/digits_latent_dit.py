@@ -20,7 +20,6 @@ Rank 0 prints the cache statistics and epoch times and appends them to
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from digits_autoencoder import DigitsAutoencoder
-from digits_dit import NUM_CLASSES, Digits, DiT, sample, save_grid
+from digits_dit import NUM_CLASSES, Digits, DiT, make_optimizer, sample, save_grid
 from torch import nn
 
 from litegen.cache import TensorCache, fingerprint
@@ -237,15 +236,7 @@ def build(config):
         latents.log_path.parent.mkdir(parents=True, exist_ok=True)
         latents.log_path.unlink(missing_ok=True)  # this run's epochs only
     model = make_dit(config, latents.codec.latent_shape)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / config.max_steps))
-        ),
-    )
+    optimizer, scheduler = make_optimizer(model, config)
     return {
         "model": model,
         "optimizer": optimizer,

@@ -11,13 +11,7 @@
 set -u
 cd "$(dirname "$0")/.."
 
-if [ -n "${LITEGEN_PYTHON:-}" ]; then
-    PY=(${LITEGEN_PYTHON})
-elif command -v uv >/dev/null 2>&1; then
-    PY=(uv run --no-sync python)
-else
-    PY=(python3)
-fi
+source scripts/_python.sh
 STEPS=${SMOKE_STEPS:-20}
 OUT=${SMOKE_OUT:-smoke_results}
 mkdir -p "$OUT"

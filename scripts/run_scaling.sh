@@ -24,13 +24,7 @@ if [ "${1:-}" = "--dry-run" ]; then
     DEVICE=cpu
     TINY=1
 fi
-if [ -n "${LITEGEN_PYTHON:-}" ]; then
-    PY=(${LITEGEN_PYTHON})
-elif command -v uv >/dev/null 2>&1; then
-    PY=(uv run --no-sync python)
-else
-    PY=(python3)
-fi
+source scripts/_python.sh
 DEVICE=${DEVICE:-cuda}
 # `python -m torch.distributed.run` is torchrun, with the interpreter chosen above.
 TORCHRUN=("${PY[@]}" -m torch.distributed.run)

@@ -1,0 +1,9 @@
+# Sourced by the GPU scripts: the Python to run LiteGen with, as the array PY.
+# LITEGEN_PYTHON wins (e.g. python3 on the GPU machine, which has no uv); else uv; else python3.
+if [ -n "${LITEGEN_PYTHON:-}" ]; then
+    PY=(${LITEGEN_PYTHON})
+elif command -v uv >/dev/null 2>&1; then
+    PY=(uv run --no-sync python)
+else
+    PY=(python3)
+fi
