@@ -246,6 +246,20 @@ class LiteGen(CheckpointAPI):
     def barrier(self) -> None:
         dist.barrier()
 
+    def close(self) -> None:
+        """End the job: wait for every rank, then destroy all process groups.
+
+        The groups' communication threads must be gone before the interpreter exits, or a
+        rank can abort at shutdown. Call it once, after the last collective.
+
+        Example:
+            >>> gen.save_model()
+            >>> gen.close()
+        """
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 def initialize(config: MainConfig) -> LiteGen:
     """Set up the process group, device and seeds for ``config``; returns the LiteGen object.
