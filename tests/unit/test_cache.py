@@ -153,7 +153,10 @@ def test_concurrent_writers_never_corrupt(tmp_path):
     directory = tmp_path / "shared"
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
     writers = {p.name.rsplit("-", 1)[0] for p in shard_files(directory, ".json")}
-    assert len(writers) == 3  # each process wrote only its own files
+    # Each process wrote only files named after itself (host-pid-random). A late starter may
+    # find all of its keys already written by the others and write nothing, so 1 to 3 writers.
+    writer_pids = {int(w.rsplit("-", 2)[1]) for w in writers}
+    assert writer_pids and writer_pids <= {p.pid for p in procs}, (writers, [p.pid for p in procs])
 
     reader = TensorCache(tmp_path, "shared")
     assert reader.keys() == {str(k) for k in range(50)}
