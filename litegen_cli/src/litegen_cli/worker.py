@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     # base_dir is the ORIGINAL recipe folder (launch.recipe_dir), not the results dir the
     # resolved copy lives in, so relative entry paths resolve as the user wrote them.
     run_entry(recipe.config, entry=recipe.launch.entry, base_dir=recipe.base_dir)
+    # Every rank has passed run_entry's final barrier and every file is closed. Leaving now
+    # skips the interpreter's teardown of the process groups' C++ threads, which can abort a
+    # rank ("terminate called without an active exception") or hang in destroy_process_group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _configure_logging(rank: int) -> None:

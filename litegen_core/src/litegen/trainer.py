@@ -352,7 +352,7 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     if callable(finish):
         kwargs = {**parts, "gen": gen, "config": config, "step": trainer.step}
         finish(**_keyword_filter(finish, skip_first=False)(kwargs))
-    gen.close()
+    dist.barrier()
     return losses
 
 
