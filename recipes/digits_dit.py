@@ -166,8 +166,8 @@ def sample(
 
 
 def finish(model, gen, config):
-    """Rank 0 draws a grid of samples from the EMA weights: one row per digit."""
-    ema_state = gen.full_ema_state()  # collective: every rank calls it
+    """Rank 0 draws a grid of samples (EMA weights when the EMA is on): one row per digit."""
+    ema_state = gen.full_sampling_state()  # collective: every rank calls it
     if not gen.is_main_process:
         return
     sampler = DiT(

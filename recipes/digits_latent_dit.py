@@ -263,7 +263,7 @@ def finish(latents, gen, config, step):
     """Report the last (partial) epoch and the totals; rank 0 decodes a grid of EMA samples."""
     if latents.epoch_start is not None and step > latents.epoch_start[1]:
         latents.end_epoch(step, partial=True)  # collective: every rank
-    ema_state = gen.full_ema_state()  # collective: every rank calls it
+    ema_state = gen.full_sampling_state()  # collective: every rank calls it
     if not gen.is_main_process:
         return
     later_full = [r for r in latents.history[1:] if not r["partial"]]

@@ -14,6 +14,8 @@ Workloads (per GPU): A video DiT, hidden 1152, depth 28, 16 heads, 4096 tokens, 
 B hidden 1536, depth 30, 12 heads of 128, 17160 tokens, batch 2; C DiT-XL/2 at 256px,
 256 tokens, batch 128. ``--attention-sweep`` also times one attention call (forward and
 backward) per SDPA backend at the workload's shape and names the kernel torch picks by default.
+``--profile`` traces three more steps per side and splits a step's time by kernel category
+(attention, GEMM, elementwise, optimizer, communication, exposed communication, idle).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,7 +74,7 @@ def litegen_config(args, world: int, results: str) -> MainConfig:
     bf16 = args.device == "cuda"
     optimization = {
         "parallel": {"strategy": args.strategy},
-        "compile": {"enabled": args.compile, "dynamic": False},
+        "compile": {"enabled": args.compile, "mode": args.compile_mode, "dynamic": False},
         "kernels": {"attention_backend": args.attention},
     }
     if bf16 and args.strategy in SHARDED:
@@ -118,11 +121,11 @@ class LiteGenRunner:
 
 
 # -------------------------------------------------------------------------- hand-written side
-def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_: bool):
+def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_mode: str | None):
     """The strategy as a user would write it with plain PyTorch; returns (model, optimizer)."""
-    if compile_:  # torchtitan's regional compile: each block, before sharding
+    if compile_mode:  # torchtitan's regional compile: each block, before sharding
         for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, dynamic=False)
+            model.blocks[i] = torch.compile(block, mode=compile_mode, dynamic=False)
     fused = device.type == "cuda"
     if strategy in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -164,7 +167,9 @@ def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_: bool
 class HandRunner:
     def __init__(self, args, cfg: DiTConfig, device: torch.device) -> None:
         torch.manual_seed(0)
-        self.model, self.optimizer = wrap_by_hand(DiT(cfg), args.strategy, device, args.compile)
+        self.model, self.optimizer = wrap_by_hand(
+            DiT(cfg), args.strategy, device, args.compile and args.compile_mode
+        )
         bf16 = device.type == "cuda" and args.strategy not in SHARDED
         self.autocast = torch.autocast("cuda", torch.bfloat16) if bf16 else nullcontext()
         self.attention = lambda: attention_context(args.attention, device)
@@ -226,6 +231,7 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
             sync(device)
             ema_times.append(time.perf_counter() - start)
         ema_ms = statistics.median(ema_times) * 1e3
+    profile = profile_summary(runner, batch, device) if args.profile else None
     return {
         "impl": name,
         "step_ms": step_s * 1e3,
@@ -237,6 +243,7 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
         if device.type == "cuda"
         else None,
         "ema_ms": ema_ms,
+        "profile": profile,
     }
 
 
@@ -268,8 +275,29 @@ def compare(args, cfg: DiTConfig, tokens: int, device: torch.device, world: int)
     return rows
 
 
+def _time_attention(name: str, run, context, device: torch.device) -> dict:
+    """Milliseconds per forward+backward call of ``run`` inside ``context`` (3 warm-up, 10 timed)."""
+    try:
+        with context:
+            for _ in range(3):
+                run()
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(10):
+                run()
+            sync(device)
+        return {"backend": name, "ms": (time.perf_counter() - start) * 100}
+    except RuntimeError as exc:  # the backend does not support this shape or device
+        return {"backend": name, "ms": None, "error": str(exc).splitlines()[0][:200]}
+
+
 def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.device) -> list[dict]:
-    """Forward+backward time of one attention call per backend, and torch's default kernel."""
+    """Forward+backward time of one attention call per backend, and torch's default kernel.
+
+    Also cuDNN with q, k and v zero-padded to the next head dim that is a multiple of 32 and
+    of 64 (the output is the same once sliced back, with the original softmax scale): whether
+    padding an odd head dim (72) would pay.
+    """
     import torch.nn.functional as F
 
     shape = (batch, cfg.heads, tokens, cfg.hidden // cfg.heads)
@@ -277,25 +305,22 @@ def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.devic
         torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
     )
+    head_dim = shape[-1]
 
-    def run() -> None:
-        F.scaled_dot_product_attention(q, k, v).sum().backward()
+    def run(padded: int = head_dim) -> None:
+        qp, kp, vp = (
+            F.pad(t, (0, padded - head_dim)) if padded > head_dim else t for t in (q, k, v)
+        )
+        out = F.scaled_dot_product_attention(qp, kp, vp, scale=head_dim**-0.5)
+        out[..., :head_dim].sum().backward()
 
     rows = []
     for name in ("default", *BACKENDS):
         context = nullcontext() if name == "default" else attention_context(name, device)
-        try:
-            with context:
-                for _ in range(3):
-                    run()
-                sync(device)
-                start = time.perf_counter()
-                for _ in range(10):
-                    run()
-                sync(device)
-            rows.append({"backend": name, "ms": (time.perf_counter() - start) * 100})
-        except RuntimeError as exc:  # the backend does not support this shape or device
-            rows.append({"backend": name, "ms": None, "error": str(exc).splitlines()[0]})
+        rows.append(_time_attention(name, run, context, device))
+    for padded in sorted({-(-head_dim // 32) * 32, -(-head_dim // 64) * 64} - {head_dim}):
+        context = attention_context("cudnn", device)
+        rows.append(_time_attention(f"cudnn_pad{padded}", partial(run, padded), context, device))
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -309,6 +334,74 @@ def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.devic
         }
         rows[0]["kernels"] = sorted(kernels)[:4]
     return rows
+
+
+# Kernel name fragments per category, checked in this order (attention kernels also use CUTLASS).
+KERNEL_CATEGORIES = (
+    ("communication", ("nccl",)),
+    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn_generated")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "wgmma", "cublas")),
+    ("optimizer", ("multi_tensor", "adam")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in lowered for f in fragments):
+            return category
+    return "elementwise/other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def profile_summary(runner, batch, device: torch.device, steps: int = 3) -> dict:
+    """Where one step's time goes, from a CUDA kernel trace of ``steps`` steps (ms per step).
+
+    Categories add kernel busy time (communication runs on its own stream, so it can overlap
+    the rest); ``exposed_communication`` is communication time with no compute kernel running,
+    and ``idle`` is step time with no kernel running at all (host overhead, waits). On CPU
+    (smoke runs) the "kernels" are nested CPU ops, so the categories overcount.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.step(batch)
+        sync(device)
+        wall_us = (time.perf_counter() - start) * 1e6
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    kind = "kernel" if cuda else "cpu_op"
+    kernels = [e for e in events if e.get("cat") == kind and "dur" in e]
+    busy: dict[str, float] = {}
+    other: dict[str, float] = {}  # the uncategorised kernels, to see what compile left
+    spans: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for e in kernels:
+        category = kernel_category(e["name"])
+        busy[category] = busy.get(category, 0.0) + e["dur"]
+        if category == "elementwise/other":
+            other[e["name"][:80]] = other.get(e["name"][:80], 0.0) + e["dur"]
+        spans[category == "communication"].append((e["ts"], e["ts"] + e["dur"]))
+    compute_us = _union_us(spans[False])
+    all_us = _union_us(spans[False] + spans[True])
+    summary = {name: us / steps / 1e3 for name, us in sorted(busy.items())}
+    summary["exposed_communication"] = (all_us - compute_us) / steps / 1e3
+    summary["idle"] = max(wall_us - all_us, 0.0) / steps / 1e3
+    summary["step"] = wall_us / steps / 1e3
+    top = sorted(other.items(), key=lambda item: -item[1])[:12]
+    return summary | {"top_other_ms": {name: us / steps / 1e3 for name, us in top}}
 
 
 def fmt(value, spec: str) -> str:
@@ -329,10 +422,20 @@ def print_table(rows: list[dict], title: str) -> None:
         )
 
 
+def print_profiles(rows: list[dict]) -> None:
+    """One line per profiled row: ms per step by kernel category."""
+    for r in rows:
+        if r.get("profile"):
+            figures = {k: v for k, v in r["profile"].items() if isinstance(v, float)}
+            parts = "  ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            print(f"profile {r['strategy']} {r['impl']} (ms/step): {parts}")
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--workload", default="A", choices=list(WORKLOADS))
     p.add_argument("--compile", action="store_true", help="regional compile on both sides")
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode (both sides)")
     p.add_argument("--attention", default="auto", help="auto, cudnn, flash, efficient, math")
     p.add_argument("--ema", action="store_true", help="update an EMA after every step")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
@@ -343,6 +446,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke)")
     p.add_argument("--out", type=Path, help="write the results as JSON here (rank 0)")
+    p.add_argument("--profile", action="store_true", help="per-step kernel time by category")
     return p
 
 
@@ -379,6 +483,7 @@ def main() -> None:
             "batch_per_gpu": args.batch,
             "world_size": world,
             "compile": args.compile,
+            "compile_mode": args.compile_mode,
             "attention": args.attention,
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -391,10 +496,12 @@ def main() -> None:
             print("\nattention (fwd+bwd ms):", {r["backend"]: r["ms"] for r in sweep})
             print("default kernels:", sweep[0].get("kernels"))
         title = (
-            f"workload {args.workload}, {world} GPU(s), compile={args.compile}, "
+            f"workload {args.workload}, {world} GPU(s), compile={args.compile} "
+            f"({args.compile_mode}), "
             f"attention={args.attention}, torch {torch.__version__}"
         )
         print_table(runner_rows, title)
+        print_profiles(runner_rows)
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ forward, ``save_on_cpu`` for offload), with the same blocks checkpointed.
     uv run --no-sync python scripts/bench_memory.py --out bench_memory.json
     uv run --no-sync python scripts/bench_memory.py --max-seq --out max_seq.json
     uv run --no-sync python scripts/bench_memory.py --device cpu --tiny   # smoke check
+    python3 scripts/bench_memory.py --compile --cases none ops full --out compiled.json
 
 ``--max-seq`` finds the longest sequence (batch 1) that trains without checkpointing, with
 full checkpointing, and with checkpointing plus offload: doubling until out of memory, then
@@ -32,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dit_model import DiT, DiTConfig, sample_batch
 
+from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, select_evenly
 from litegen.memory.checkpointing import ops_policy_context
-from litegen.utils.config import MemoryConfig
+from litegen.utils.config import CompileConfig, MemoryConfig
 
 GIB = 2**30
 # name -> (checkpointing enabled, selective_ratio, policy, offload)
@@ -49,8 +51,12 @@ CASES: dict[str, tuple[bool, float, str, bool]] = {
 }
 
 
-def build(cfg: DiTConfig, case: str, impl: str, device: torch.device):
-    """A fresh model and optimizer with ``case``'s checkpointing, by LiteGen or by hand."""
+def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: bool = False):
+    """A fresh model and optimizer with ``case``'s checkpointing, by LiteGen or by hand.
+
+    ``compile_``: regional compile of every block, after checkpointing (LiteGen's
+    ``compile_blocks``; by hand, ``torch.compile`` per block inside the model's checkpoint call).
+    """
     torch.manual_seed(0)
     model = DiT(cfg).to(device)
     enabled, ratio, policy, offload = CASES[case]
@@ -67,11 +73,16 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device):
             }
         )
         offloader = apply_memory_optimizations(model, memory, strategy="ddp").offloader
+        if compile_:
+            compile_blocks(model, CompileConfig(enabled=True, dynamic=False))
     elif enabled:
         names = [f"blocks.{i}" for i in range(cfg.depth)]
         model.hand_checkpoint = {int(n.split(".")[1]) for n in select_evenly(names, ratio)}
         model.hand_context_fn = ops_policy_context if policy == "ops" else None
         model.hand_offload = offload
+    if compile_ and impl == "hand":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, dynamic=False)
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     return model, optimizer, offloader
@@ -97,7 +108,7 @@ def sync(device: torch.device) -> None:
 
 
 def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
-    model, optimizer, offloader = build(cfg, case, impl, device)
+    model, optimizer, offloader = build(cfg, case, impl, device, args.compile)
     batch = sample_batch(cfg, args.batch, args.tokens, device)
     for _ in range(args.warmup):  # also allocates the optimizer state and pinned buffers
         train_step(model, optimizer, batch, device)
@@ -132,6 +143,7 @@ def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) ->
         ),
     }
     del model, optimizer, offloader
+    torch._dynamo.reset()
     release(device)
     return row
 
@@ -218,6 +230,7 @@ def main() -> None:
     parser.add_argument(
         "--impls", nargs="*", default=["litegen", "hand"], choices=["litegen", "hand"]
     )
+    parser.add_argument("--compile", action="store_true", help="regional compile of the blocks")
     parser.add_argument("--max-seq", action="store_true", help="find the longest sequence")
     parser.add_argument("--seq-start", type=int, default=8192)
     parser.add_argument("--seq-cap", type=int, default=262144)
@@ -233,6 +246,8 @@ def main() -> None:
     device = torch.device(args.device)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     result["workload"] = {**cfg.__dict__, "tokens": args.tokens, "batch": args.batch}
+    result["compile"] = args.compile
+    result["torch"] = torch.__version__
     if args.max_seq:
         cases = [c for c in ("none", "full", "full_offload") if c in args.cases]
         rows = [longest_sequence(args, cfg, c, device) for c in cases]

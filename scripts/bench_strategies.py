@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import compare, litegen_config, parser, print_table, setup
+from bench_dit import compare, litegen_config, parser, print_profiles, print_table, setup
 
 import litegen
 
@@ -68,6 +68,7 @@ def main() -> None:
             f"workload {args.workload}, {world} rank(s), compile={args.compile}, "
             f"ema={args.ema}, torch {torch.__version__}",
         )
+        print_profiles(rows)
         for strategy, error in failures.items():
             print(f"FAILED {strategy}: {error}")
     dist.destroy_process_group()

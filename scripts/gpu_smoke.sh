@@ -56,7 +56,7 @@ for strategy in $STRATEGIES; do
         fi
         half=$((NGPU / 2))
         port=$((29500 + RANDOM % 1000))
-        node=("launch.nnodes=2" "launch.nproc_per_node=$half" "ema.enable=false"
+        node=("launch.nnodes=2" "launch.nproc_per_node=$half"
             "launch.rdzv_endpoint=localhost:$port")
         CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) \
             launch "$strategy" "$log" "${common[@]}" "${node[@]}" launch.node_rank=0 &
@@ -66,7 +66,7 @@ for strategy in $STRATEGIES; do
         second=$?
         wait "$first"
         status=$(($? + second))
-        note="2 simulated nodes x $half GPU(s), EMA off"
+        note="2 simulated nodes x $half GPU(s)"
     else
         if [ "$NGPU" -lt 2 ] && [ "$strategy" != ddp ] && [ "$strategy" != fsdp1 ]; then
             record "launch $strategy" SKIP "needs a data-parallel size of at least 2"

@@ -1,9 +1,10 @@
-"""Every strategy on 2 GPUs with NCCL gives DDP's losses and weights (issue 3's GPU proof).
+"""Every strategy on 2 GPUs with NCCL gives DDP's losses and weights (issues 3 and 4, on GPU).
 
     python3 -m pytest tests/gpu/test_strategies_gpu.py     # on a machine with 2+ GPUs
 
 Skipped without two CUDA devices. fp32 weights, so the tolerance only absorbs NCCL's
-reduction order (looser than the gloo tests' 1e-5).
+reduction order (looser than the gloo tests' 1e-5). The memory variant also checkpoints every
+block and offloads the saved inputs over real CUDA side streams and pinned buffers.
 """
 
 import pytest
@@ -20,25 +21,64 @@ pytestmark = [
 ]
 
 STEPS = 20
+CHECKPOINT_AND_OFFLOAD = {
+    "activation_checkpoint": {"enabled": True, "selective_ratio": 0.0},
+    "activation_offload": True,
+}
 
 
-def train(strategy: str, accum: int) -> dict:
+def train(strategy: str, accum: int, offload: bool = False) -> dict:
+    optimization = {"parallel": {"strategy": strategy}}
+    if offload:
+        optimization["memory"] = CHECKPOINT_AND_OFFLOAD
     gen, model, losses = train_tiny(
         {
             "runtime": {"device": "cuda"},
             "max_steps": STEPS,
             "trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": accum},
-            "optimization": {"parallel": {"strategy": strategy}},
+            "optimization": optimization,
         }
     )
-    return {"losses": losses, "state": full_weights(gen, model)}
+    offloader = gen.models[0].memory.offloader
+    stats = offloader.stats if offloader is not None else None
+    return {
+        "losses": losses,
+        "state": full_weights(gen, model),
+        "offloaded": stats.tensors_offloaded if stats else 0,
+        "prefetched": stats.tensors_prefetched if stats else 0,
+    }
+
+
+def assert_same_run(result: dict, reference: dict) -> None:
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-4, atol=1e-5)
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-5)
+
+
+# (strategy, grad_accum_steps, checkpointing + offload) of every run the tests compare.
+RUNS = [("ddp", 1, False), ("ddp", 2, False)]
+RUNS += [(s, accum, False) for s in ("zero1", "zero2", "fsdp1", "fsdp2") for accum in (1, 2)]
+RUNS += [(s, 2, True) for s in ("ddp", "zero1", "zero2", "fsdp1", "fsdp2")]
+
+
+def train_all() -> dict:
+    """Every run of ``RUNS`` in one pair of spawned ranks (spawning costs more than training)."""
+    return {run: train(*run) for run in RUNS}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_ranks(train_all, 2, start_method="spawn", timeout_s=600)[0]
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp1", "fsdp2"])
-def test_strategy_matches_ddp_over_nccl(strategy, accum):
-    reference = run_ranks(train, 2, "ddp", accum, start_method="spawn")[0]
-    result = run_ranks(train, 2, strategy, accum, start_method="spawn")[0]
-    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-4, atol=1e-5)
-    for name, value in reference["state"].items():
-        torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-5)
+def test_strategy_matches_ddp_over_nccl(results, strategy, accum):
+    assert_same_run(results[strategy, accum, False], results["ddp", accum, False])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp1", "fsdp2"])
+def test_checkpointing_with_offload_matches_plain_ddp_over_nccl(results, strategy):
+    result = results[strategy, 2, True]
+    assert result["offloaded"] > 0 and result["prefetched"] > 0, result
+    assert_same_run(result, results["ddp", 2, False])

@@ -124,6 +124,24 @@ def test_ema_tracks_the_weights_and_saves_by_name(tmp_path):
     assert gen.save_ema(step=3).name == "exp_step3.ema.pth"
 
 
+@pytest.mark.parametrize("ema", [True, False])
+def test_sampling_state_is_the_ema_when_on_and_the_model_otherwise(tmp_path, ema):
+    gen = make_gen(tmp_path, ema={"enable": ema, "decay": 0.5})
+    model = nn.Linear(3, 2)
+    start = model.weight.detach().clone()
+    model = gen.prepare(model)
+    with torch.no_grad():
+        gen.unwrap(model).weight.add_(2.0)
+    if ema:
+        gen.update_ema()
+    expected = start + 1.0 if ema else start + 2.0
+    torch.testing.assert_close(gen.full_sampling_state()["weight"], expected)
+    torch.testing.assert_close(gen.full_model_state(model)["weight"], start + 2.0)
+    if not ema:
+        with pytest.raises(ValueError, match=r"ema\.enable: true"):
+            gen.full_ema_state()
+
+
 def test_global_batch_must_divide_over_ranks_and_accumulation(tmp_path):
     gen = make_gen(tmp_path, global_batch_size=6, trainer={"grad_accum_steps": 4})
     with pytest.raises(ValueError, match="global_batch_size=6 must be a multiple"):

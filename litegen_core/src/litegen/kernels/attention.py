@@ -9,9 +9,10 @@ Backends:
 
 - ``auto``: on CUDA, torch's own kernels in the order cuDNN, flash, memory-efficient, math;
   each call takes the first that supports its shapes and dtypes. cuDNN comes first because it
-  measured about 1.7x faster than torch's flash backend at head dim 72 on H200 (issue 8); what
-  torch picks by default depends on its version, and ``scripts/bench_dit.py --attention``
-  compares both on the workload. Elsewhere (CPU) ``auto`` leaves torch's default.
+  measured 1.4-1.75x faster than torch's flash backend on H200 at the benchmark shapes (head
+  dim 72 and 128). torch 2.11 already picks cuDNN there by default, so ``auto`` pins that
+  order for versions whose default differs (``scripts/bench_dit.py --attention-sweep`` shows
+  which kernel torch picks). Elsewhere (CPU) ``auto`` leaves torch's default.
 - ``cudnn`` / ``flash`` / ``efficient`` / ``math``: only that torch kernel; a call it cannot
   serve fails with torch's "No available kernel" error (use ``auto`` to fall back).
 - ``flash_attn``: the FlashAttention package from the optional ``flash-attn`` extra (FA3's

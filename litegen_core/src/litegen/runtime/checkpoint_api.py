@@ -67,9 +67,19 @@ class CheckpointAPI:
         Example:
             >>> gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
         """
-        entry = self._entry(model)
-        state = entry.strategy.full_model_state(entry.module)
+        state = self.full_model_state(model)
         return self._write(state, self._path("model", output_folder, filename, step))
+
+    def full_model_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The whole state of a prepared model (default: the first trainable one) on CPU.
+
+        Gathered from every rank's shard, so call it on every rank.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_model_state(model))
+        """
+        entry = self._entry(model)
+        return entry.strategy.full_model_state(entry.module)
 
     def save_optimizer(
         self,
@@ -168,12 +178,22 @@ class CheckpointAPI:
     def full_ema_state(self) -> dict[str, torch.Tensor]:
         """The whole EMA model state on CPU, keyed like the model. Call on every rank.
 
+        Raises ``ValueError`` without an EMA; ``full_sampling_state`` falls back to the model.
+
         Example:
             >>> sampler_model.load_state_dict(gen.full_ema_state())
         """
         if self.ema is None:
             raise ValueError("the EMA needs ema.enable: true and a prepared trainable model.")
         return self.ema.state_dict()
+
+    def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The weights to sample with: the EMA's when ``ema.enable``, else the model's.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
+        """
+        return self.full_ema_state() if self.ema is not None else self.full_model_state(model)
 
     def load(self, model: nn.Module, path: str | Path) -> None:
         """Load full model weights (.pth or .safetensors) into a prepared model."""
