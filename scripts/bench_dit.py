@@ -8,6 +8,8 @@ write. Each side: ``--warmup`` steps, then ``--steps`` steps timed one by one be
 
     torchrun --nproc_per_node=2 scripts/bench_dit.py --workload A --strategy fsdp2 --compile
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile
+    torchrun --nproc_per_node=2 scripts/bench_dit.py --workload A --strategy fsdp2 \
+        --set optimization.parallel.fsdp2.reshard_after_forward=false   # a LiteGen-only option
     python scripts/bench_dit.py --device cpu --tiny            # CPU smoke run
 
 Workloads (per GPU): A video DiT, hidden 1152, depth 28, 16 heads, 4096 tokens, batch 8;
@@ -43,6 +45,7 @@ from litegen.flops import FlopCounter, peak_flops
 from litegen.kernels.attention import BACKENDS, attention_context
 from litegen.trainer import Trainer
 from litegen.utils.config import MainConfig
+from litegen_cli.recipe import apply_overrides
 
 GIB = 2**30
 WORKLOADS = {  # name -> (model config, tokens per sample, batch per GPU)
@@ -79,21 +82,23 @@ def litegen_config(args, world: int, results: str) -> MainConfig:
     }
     if bf16 and args.strategy in SHARDED:
         optimization["precision"] = {"fsdp2_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
-    return MainConfig.from_dict(
-        {
-            "exp_name": "bench",
-            "results_dir": results,
-            "runtime": {"device": args.device},
-            "global_batch_size": args.batch * world,
-            "max_steps": 10**9,
-            "optimization": optimization,
-            "ema": {"enable": args.ema, "decay": 0.9999},
-            "trainer": {
-                "autocast": "bf16" if bf16 and args.strategy not in SHARDED else None,
-                "save_final": False,
-            },
-        }
-    )
+    fields = {
+        "exp_name": "bench",
+        "results_dir": results,
+        "runtime": {"device": args.device},
+        "global_batch_size": args.batch * world,
+        "max_steps": 10**9,
+        "optimization": optimization,
+        "ema": {"enable": args.ema, "decay": 0.9999},
+        "trainer": {
+            "autocast": "bf16" if bf16 and args.strategy not in SHARDED else None,
+            "save_final": False,
+        },
+    }
+    problems = apply_overrides(fields, args.set)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return MainConfig.from_dict(fields)
 
 
 class LiteGenRunner:
@@ -438,6 +443,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--compile-mode", default="default", help="torch.compile mode (both sides)")
     p.add_argument("--attention", default="auto", help="auto, cudnn, flash, efficient, math")
     p.add_argument("--ema", action="store_true", help="update an EMA after every step")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="LiteGen-only config overrides, as on the litegen command line "
+        "(optimization.parallel.fsdp2.reshard_after_forward=false)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, help="per GPU (default: the workload's)")
