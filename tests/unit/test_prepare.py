@@ -110,13 +110,22 @@ def test_loading_a_mismatched_checkpoint_names_file_and_keys(tmp_path):
         make_gen(tmp_path, init_from=str(tmp_path / "missing.pth")).prepare(nn.Linear(3, 2))
 
 
-def test_ema_tracks_the_weights_and_saves_by_name(tmp_path):
-    gen = make_gen(tmp_path, ema={"enable": True, "decay": 0.5})
+def prepared_then_moved(tmp_path, ema: bool):
+    """A prepared Linear (EMA decay 0.5 when ``ema``) whose weight then moved by +2.
+
+    Returns ``(gen, model, start)``; ``start`` is the weight before the move.
+    """
+    gen = make_gen(tmp_path, ema={"enable": ema, "decay": 0.5})
     model = nn.Linear(3, 2)
     start = model.weight.detach().clone()
     model = gen.prepare(model)
     with torch.no_grad():
         gen.unwrap(model).weight.add_(2.0)
+    return gen, model, start
+
+
+def test_ema_tracks_the_weights_and_saves_by_name(tmp_path):
+    gen, _, start = prepared_then_moved(tmp_path, ema=True)
     gen.update_ema()
     torch.testing.assert_close(gen.full_ema_state()["weight"], start + 1.0)
     gen.update_ema(decay=0.0)
@@ -126,12 +135,7 @@ def test_ema_tracks_the_weights_and_saves_by_name(tmp_path):
 
 @pytest.mark.parametrize("ema", [True, False])
 def test_sampling_state_is_the_ema_when_on_and_the_model_otherwise(tmp_path, ema):
-    gen = make_gen(tmp_path, ema={"enable": ema, "decay": 0.5})
-    model = nn.Linear(3, 2)
-    start = model.weight.detach().clone()
-    model = gen.prepare(model)
-    with torch.no_grad():
-        gen.unwrap(model).weight.add_(2.0)
+    gen, model, start = prepared_then_moved(tmp_path, ema)
     if ema:
         gen.update_ema()
     expected = start + 1.0 if ema else start + 2.0
