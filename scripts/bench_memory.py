@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dit_model import DiT, DiTConfig, sample_batch
+from dit_model import DiT, DiTConfig, sample_batch, sync
 
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, select_evenly
@@ -100,11 +100,6 @@ def train_step(model, optimizer, batch, device: torch.device) -> None:
     # Gradients stay allocated between steps, as under DDP's gradient bucket views; the peak
     # then is weights + grads + Adam state + the activation peak checkpointing acts on.
     optimizer.zero_grad(set_to_none=False)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
@@ -199,7 +194,7 @@ def fits(cfg: DiTConfig, case: str, tokens: int, device: torch.device, model, op
 
 def longest_sequence(args, cfg: DiTConfig, case: str, device: torch.device) -> dict:
     """Double the sequence until a step runs out of memory, then bisect to ``--seq-step``."""
-    model, optimizer, _ = build(cfg, case, "litegen", device)
+    model, optimizer, _ = build(cfg, case, "litegen", device, args.compile)
     train_step(model, optimizer, sample_batch(cfg, 1, args.seq_step, device), device)  # Adam state
     good, bad = 0, None
     tokens = args.seq_start

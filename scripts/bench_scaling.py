@@ -24,7 +24,6 @@ strategy's curve is compared with ddp's at the same size, and with ddp's on 1 GP
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from argparse import Namespace
@@ -35,19 +34,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import (
-    LiteGenRunner,
-    litegen_config,
-    make_batch,
-    measure,
-    parser,
-    print_table,
-    release,
-    setup,
-)
+from bench_dit import LiteGenRunner, fmt, make_batch, measure, parser, print_table, release, setup
 from dit_model import DiTConfig
 
-import litegen
+from litegen.runtime.distributed import DistEnv
 
 STRATEGIES = ("ddp", "zero1", "fsdp2")
 HSDP_STRATEGIES = ("hsdp", "fsdp2")  # fsdp2 on the same GPUs, in the same process group
@@ -78,9 +68,10 @@ def loss_curve(
     return losses
 
 
-def run_strategy(args: Namespace, cfg: DiTConfig, tokens: int, world: int) -> dict:
+def run_strategy(
+    args: Namespace, cfg: DiTConfig, tokens: int, device: torch.device, world: int
+) -> dict:
     """A fresh LiteGen setup of ``args.strategy``: its loss curve, then its timed steps."""
-    device = litegen.initialize(litegen_config(args, 1, tempfile.gettempdir())).device
     with tempfile.TemporaryDirectory() as results:
         runner = LiteGenRunner(args, cfg, world, results)  # seeds 0 before building the model
         losses = loss_curve(runner, cfg, tokens, args, device)
@@ -99,17 +90,16 @@ def max_rel_diff(losses: list[float], reference: list[float]) -> float:
 
 def launch_shape() -> dict:
     """World size and nodes as LiteGen's plan sees them (nodes = WORLD_SIZE / LOCAL_WORLD_SIZE)."""
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return {"world_size": world, "local_world_size": local, "nnodes": max(1, world // local)}
+    env = DistEnv.from_environ()
+    return {
+        "world_size": env.world_size,
+        "local_world_size": env.local_world_size,
+        "nnodes": env.nnodes,
+    }
 
 
 def bench(args: Namespace) -> int:
-    cfg, tokens, _ = setup(args)
-    # LiteGen's initialisation joins the torchrun process group (or makes a one-rank one);
-    # each strategy initialises again with its own config.
-    args.strategy = "ddp"
-    litegen.initialize(litegen_config(args, 1, tempfile.gettempdir()))
+    cfg, tokens, device = setup(args)
     shape = launch_shape()
     world = shape["world_size"]
     if args.loss_batch % world:
@@ -120,7 +110,7 @@ def bench(args: Namespace) -> int:
     for strategy in strategies:
         args.strategy = strategy
         try:
-            rows.append(run_strategy(args, cfg, tokens, world))
+            rows.append(run_strategy(args, cfg, tokens, device, world))
         except Exception as exc:  # one strategy failing must not hide the others' figures
             failures[strategy] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             if dist.get_rank() == 0:
@@ -197,8 +187,8 @@ def summarize(paths: list[Path], rtol: float) -> int:
         bad += ok == "NO"
         print(
             f"{strategy:<9}{n:>5}{nodes:>6}{row['tokens_per_s_per_gpu']:>11.0f}"
-            f"{_fmt(eff, '.1%'):>10}{_fmt(vs_fsdp2, '.3f'):>8}{_fmt(same, '.2e'):>12}"
-            f"{_fmt(first, '.2e'):>10}  {ok}"
+            f"{fmt(eff, '.1%'):>10}{fmt(vs_fsdp2, '.3f'):>8}{fmt(same, '.2e'):>12}"
+            f"{fmt(first, '.2e'):>10}  {ok}"
         )
     sizes = sorted({n for _, n, _ in by_key})
     fsdp2_top = by_key.get(("fsdp2", sizes[-1], 1)) if sizes else None
@@ -213,10 +203,6 @@ def summarize(paths: list[Path], rtol: float) -> int:
         print("FAILED:", ", ".join(failed))
     print(f"loss tolerance: max relative difference <= {rtol:g} (bf16 on GPU; CPU runs are fp32)")
     return 1 if bad or failed else 0
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main() -> None:

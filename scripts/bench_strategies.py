@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,9 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import compare, litegen_config, parser, print_profiles, print_table, setup
-
-import litegen
+from bench_dit import compare, parser, print_table, setup
+from bench_profile import print_profiles
 
 HAND_WRITTEN = ("ddp", "zero1", "fsdp1", "fsdp2")
 
@@ -36,13 +34,12 @@ def main() -> None:
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; use --device cpu --tiny for a smoke run")
-    cfg, tokens, _ = setup(args)
+    cfg, tokens, device = setup(args)
+    world = dist.get_world_size()
     rows: list[dict] = []
     failures: dict[str, str] = {}
     for strategy in args.strategies:
         args.strategy = strategy
-        device = litegen.initialize(litegen_config(args, 1, tempfile.gettempdir())).device
-        world = dist.get_world_size()
         try:
             rows.extend(compare(args, cfg, tokens, device, world))
         except Exception as exc:  # one strategy failing must not hide the others' figures

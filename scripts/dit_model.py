@@ -6,7 +6,8 @@ blocks with ``F.scaled_dot_product_attention``. The blocks sit in ``model.blocks
 block detection and FSDP plans find them.
 
 ``hand_checkpoint`` lets a benchmark run the same model with ``torch.utils.checkpoint`` applied
-by hand in ``forward``, the reference LiteGen's checkpointing is compared against.
+by hand in ``forward``, the reference LiteGen's checkpointing is compared against. ``sync``
+is the benchmarks' barrier around timed steps.
 
 Example:
     >>> model = DiT(DiTConfig.tiny())
@@ -130,6 +131,12 @@ class DiT(nn.Module):
                 x = block(x, c)
         shift, scale = self.final_modulation(c).chunk(2, dim=-1)
         return self.final_linear(modulate(self.final_norm(x), shift, scale))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels, so host timers measure them (nothing to wait on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sample_batch(

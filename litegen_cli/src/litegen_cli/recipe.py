@@ -242,7 +242,20 @@ def load_recipe(
     2
     """
     path = Path(path).expanduser().absolute()
-    data = read_recipe_file(path)
+    return recipe_from_data(read_recipe_file(path), path, overrides, env)
+
+
+def recipe_from_data(
+    data: dict[str, Any],
+    path: Path,
+    overrides: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Recipe:
+    """:func:`load_recipe` for a recipe already read into ``data``, which it changes in place.
+
+    ``path`` (absolute) is where the recipe came from: relative entry paths resolve against
+    its folder unless ``launch.recipe_dir`` says otherwise.
+    """
     problems = apply_overrides(data, list(overrides or []))
 
     raw_launch = data.get("launch", {})

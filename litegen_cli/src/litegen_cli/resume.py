@@ -8,13 +8,13 @@ launched exactly like ``litegen launch`` does. torch is imported only by :func:`
 
 from __future__ import annotations
 
-import tempfile
+import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from litegen_cli.recipe import Recipe, RecipeError, load_recipe
+from litegen_cli.recipe import Recipe, RecipeError, recipe_from_data
 
 _IGNORED = {"launch.recipe_dir"}  # bookkeeping that `litegen` fills in, not a user choice
 
@@ -43,29 +43,37 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
             hint="Pass a step_<N> folder written by the training loop, or its checkpoint_dir.",
         ) from None
     launch_file = step_dir / "launch.yaml"
-    launch = (
-        yaml.safe_load(launch_file.read_text(encoding="utf-8")) if launch_file.is_file() else {}
-    )
+    try:
+        launch = (
+            yaml.safe_load(launch_file.read_text(encoding="utf-8")) if launch_file.is_file() else {}
+        )
+        if not isinstance(launch, dict | None):
+            raise ValueError(f"it holds a {type(launch).__name__}, not a mapping")
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise RecipeError(
+            [f"run checkpoint {step_dir} has a corrupt launch.yaml: {err}"],
+            title="Cannot resume:",
+            hint="Repair launch.yaml, or move it aside and give the entry module and ranks as "
+            "overrides (launch.entry=path/to/entry.py launch.nproc_per_node=N).",
+        ) from None
     before = {"launch": dict(launch or {}), **saved}
     data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
-    with tempfile.TemporaryDirectory(prefix="litegen_resume_") as tmp:
-        # load_recipe reads a file; a private copy keeps the checkpoint itself untouched.
-        path = Path(tmp, "recipe.yaml")
-        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-        try:
-            recipe = load_recipe(path, overrides)
-        except RecipeError as err:
-            if not launch:
-                err.problems.append(
-                    f"{step_dir} has no launch.yaml (it was not written by `litegen launch`): "
-                    "give the entry module with launch.entry=path/to/entry.py"
-                )
-            raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
-        try:  # the saved run with defaults filled in, to compare the overrides against
-            base = load_recipe(path, []).resolved_dict()
-        except RecipeError:  # e.g. launch.entry only comes from the overrides
-            base = before
+    # recipe_from_data changes its data in place, and `before` shares sections with `data`.
+    path = step_dir / "config.yaml"
+    try:
+        recipe = recipe_from_data(copy.deepcopy(data), path, overrides)
+    except RecipeError as err:
+        if not launch:
+            err.problems.append(
+                f"{step_dir} has no launch.yaml (it was not written by `litegen launch`): "
+                "give the entry module with launch.entry=path/to/entry.py"
+            )
+        raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
+    try:  # the saved run with defaults filled in, to compare the overrides against
+        base = recipe_from_data(copy.deepcopy(data), path, []).resolved_dict()
+    except RecipeError:  # e.g. launch.entry only comes from the overrides
+        base = before
     return recipe, changed_fields(base, recipe.resolved_dict())
 
 

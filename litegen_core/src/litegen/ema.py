@@ -90,7 +90,6 @@ class EMA:
         optimizer: torch.optim.Optimizer | None = None,
         sharded: bool = True,
     ) -> None:
-        self.model = model
         self.optimizer = optimizer
         self.slots: list[_Slot] = []
         for name, param in model.named_parameters():
@@ -138,9 +137,7 @@ class EMA:
         """The whole average on CPU, keyed like the model. Collective for sharded slots."""
         state = {}
         for slot in self.slots:
-            tensor = slot.as_dtensor()
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            state[slot.name] = full.detach().cpu()
+            state[slot.name] = _full(slot.as_dtensor()).detach().cpu()
         state.update({name: b.cpu() for name, b in self.buffers.items()})
         return state
 

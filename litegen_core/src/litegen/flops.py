@@ -114,13 +114,13 @@ def _force_eager():
     return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
-def model_flops_per_sample(model: nn.Module) -> float | None:
+def model_flops_per_sample(model: nn.Module | None) -> float | None:
     """The model's own ``flops_per_sample()`` (forward + backward of one sample), if it has one."""
     fn = getattr(model, "flops_per_sample", None)
     return float(fn()) if callable(fn) else None
 
 
-def model_tokens_per_sample(model: nn.Module, configured: int | None = None) -> int | None:
+def model_tokens_per_sample(model: nn.Module | None, configured: int | None = None) -> int | None:
     """Tokens per sample: ``trainer.tokens_per_sample``, else the model's ``tokens_per_sample``."""
     if configured is not None:
         return configured
@@ -202,10 +202,8 @@ class StepThroughput:
         self.samples_per_step = samples_per_step
         self.accum = accum
         self.peak = peak_flops(device, peak_tflops)
-        self.tokens_per_sample = (
-            model_tokens_per_sample(model, tokens_per_sample) if model else tokens_per_sample
-        )
-        per_sample = model_flops_per_sample(model) if model is not None else None
+        self.tokens_per_sample = model_tokens_per_sample(model, tokens_per_sample)
+        per_sample = model_flops_per_sample(model)
         self.flops_per_step_per_gpu = (
             per_sample * samples_per_step / world_size if per_sample is not None else None
         )

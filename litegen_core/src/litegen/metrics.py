@@ -16,7 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from litegen.checkpoint.files import atomic_write
+from litegen.checkpoint.files import atomic_write_text
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:
@@ -26,7 +26,7 @@ def _keep_records_up_to(path: Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(kept) != len(lines):
-        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(kept), encoding="utf-8"))
+        atomic_write_text(path, "".join(kept))
 
 
 class MetricsLogger:

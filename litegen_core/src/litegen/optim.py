@@ -40,20 +40,31 @@ def configure_optimizer(
     Example:
         >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
     """
-    # A backend left at its default keeps the optimizer's own foreach/fused choice, so
-    # AdamW(fused=True) stays fused; a backend written in the config overrides it.
-    if "backend" in settings.model_fields_set:
-        set_backend(optimizer, settings.backend)
+    apply_backend(optimizer, settings)
     if settings.fp32_master_weights:
         if master_weights:
             enable_master_weights(optimizer)
         else:
+            # The strategies named are those with Strategy.master_weights set.
             warnings.warn(
                 "optimization.optimizer.fp32_master_weights is only applied under zero1, zero2, "
                 "fsdp2 and hsdp; it is ignored with this strategy.",
                 stacklevel=2,
             )
     return optimizer
+
+
+def apply_backend(optimizer: torch.optim.Optimizer, settings: Any) -> None:
+    """Apply ``settings.backend`` (an ``OptimizerConfig``'s) only when the config sets it.
+
+    A backend left at its default keeps the optimizer's own foreach/fused choice, so
+    AdamW(fused=True) stays fused; a backend written in the config overrides it.
+
+    Example:
+        >>> apply_backend(opt, cfg.optimization.optimizer)
+    """
+    if "backend" in settings.model_fields_set:
+        set_backend(optimizer, settings.backend)
 
 
 def set_backend(optimizer: torch.optim.Optimizer, backend: str) -> None:

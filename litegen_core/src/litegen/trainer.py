@@ -285,7 +285,6 @@ class Trainer:
         generator = self.loader.generator
         return {
             "step": self.step,
-            "world_size": dist.get_world_size(),
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
             "rng": capture_rng(self.gen.device),
             "loader_generator": generator.get_state() if generator is not None else None,
@@ -346,7 +345,7 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     prepared = gen.prepare(*(built[name] for name in names))
     parts = dict(built)
     parts.update(zip(names, prepared if len(names) > 1 else [prepared], strict=True))
-    trainer = Trainer(gen, module.train_step, parts, run_info=_launch_info(entry, base_dir))
+    trainer = Trainer(gen, module.train_step, parts, run_info=_launch_info(gen, entry, base_dir))
     losses = trainer.fit()
     finish = getattr(module, "finish", None)
     if callable(finish):
@@ -356,14 +355,12 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     return losses
 
 
-def _launch_info(entry: str, base_dir: str | Path | None) -> dict[str, Any]:
+def _launch_info(gen: LiteGen, entry: str, base_dir: str | Path | None) -> dict[str, Any]:
     """The `launch:` fields `litegen resume` needs to start this run again (from torchrun's env)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     info: dict[str, Any] = {
         "entry": entry,
-        "nproc_per_node": local,
-        "nnodes": max(1, world // local),
+        "nproc_per_node": gen.env.local_world_size,
+        "nnodes": gen.env.nnodes,
     }
     if base_dir is not None:
         info["recipe_dir"] = str(Path(base_dir).absolute())

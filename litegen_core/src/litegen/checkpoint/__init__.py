@@ -2,6 +2,7 @@
 
 from litegen.checkpoint.files import (
     atomic_write,
+    atomic_write_text,
     check_model_state,
     checkpoint_path,
     load_state,
@@ -22,6 +23,7 @@ from litegen.checkpoint.run_state import (
 __all__ = [
     "RunCheckpointer",
     "atomic_write",
+    "atomic_write_text",
     "capture_rng",
     "check_model_state",
     "checkpoint_path",

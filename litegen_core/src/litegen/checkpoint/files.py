@@ -70,6 +70,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_write`."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
 def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     """Rename a finished folder onto ``final``; an older ``final`` steps aside, then goes.
 

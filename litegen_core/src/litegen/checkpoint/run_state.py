@@ -33,7 +33,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from litegen.checkpoint.files import atomic_write, check_model_state, replace_dir
+from litegen.checkpoint.files import (
+    atomic_write,
+    atomic_write_text,
+    check_model_state,
+    replace_dir,
+)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -231,24 +236,25 @@ class RunCheckpointer:
             name[0] = f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
             (self.root / name[0] / "trainer").mkdir(parents=True)
             for filename, text in extra_files.items():
-                atomic_write(self.root / name[0] / filename, _text_writer(text))
+                atomic_write_text(self.root / name[0] / filename, text)
         dist.broadcast_object_list(name, src=0)  # also: the folder exists before anyone writes
         tmp = self.root / name[0]
         atomic_write(tmp / "trainer" / f"rank_{rank}.pt", lambda p: torch.save(rank_state, p))
+        import torch.distributed.checkpoint as dcp
+
         futures = []
         for i, (module, optimizer, ema) in enumerate(self._targets()):
-            model_dir = tmp / f"model_{i}"
-            if not self.async_save:
-                self.gen.save_model_state(model_dir, model=module, optimizer=optimizer, ema=ema)
-                continue
-            import torch.distributed.checkpoint as dcp
-
+            # Plain DCP writes: tmp is already the temporary folder wait() renames into place.
+            model_dir = str(tmp / f"model_{i}")
             state = self.gen.dcp_state(module, optimizer, ema=ema)
-            # async_save copies the state to CPU memory before returning, so the loop may
-            # change the weights while the copy is written.
-            futures.append(
-                dcp.async_save(state, checkpoint_id=str(model_dir), process_group=self._group)
-            )
+            if self.async_save:
+                # async_save copies the state to CPU memory before returning, so the loop may
+                # change the weights while the copy is written.
+                futures.append(
+                    dcp.async_save(state, checkpoint_id=model_dir, process_group=self._group)
+                )
+            else:
+                dcp.save(state, checkpoint_id=model_dir)
         self._pending = (futures, tmp, step)
         if not self.async_save:
             self.wait()
@@ -265,7 +271,7 @@ class RunCheckpointer:
         if dist.get_rank() == 0:
             final = self.root / step_dir_name(step)
             _publish(tmp, final)
-            atomic_write(self.root / LATEST, _text_writer(final.name + "\n"))
+            atomic_write_text(self.root / LATEST, final.name + "\n")
             self._prune(keep=final)
         dist.barrier()
 
@@ -343,9 +349,5 @@ class RunCheckpointer:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Mark ``tmp`` complete and rename it to ``final`` (replacing an older one of that name)."""
-    atomic_write(tmp / COMPLETE, _text_writer("ok\n"))
+    atomic_write_text(tmp / COMPLETE, "ok\n")
     replace_dir(tmp, final)
-
-
-def _text_writer(text: str):
-    return lambda tmp: Path(tmp).write_text(text, encoding="utf-8")

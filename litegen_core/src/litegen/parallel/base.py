@@ -34,6 +34,13 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_STATE_ON_CPU = StateDictOptions(full_state_dict=True)
 
 
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Start every rank from rank 0's weights, as DDP does when it wraps a model."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
 class Strategy:
     """How one trainable model and its optimizer are spread over the data-parallel ranks.
 
@@ -46,6 +53,9 @@ class Strategy:
     name: ClassVar[str]
     # True when the EMA must be a copy of the model wrapped like it (see build_ema).
     ema_from_copy: ClassVar[bool] = False
+    # True when the strategy applies optimization.optimizer.fp32_master_weights; the others
+    # ignore it with a warning (configure_optimizer's, which names the strategies that do).
+    master_weights: ClassVar[bool] = False
 
     def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
         self.plan = plan
@@ -68,12 +78,14 @@ class Strategy:
         ``fqn_of`` maps ``id(parameter)`` of the parameters the optimizer was built on to their
         names, captured before wrapping. Strategies that replace parameters rebind the
         optimizer's groups in place, so LR schedulers built on it stay valid. The default keeps
-        the parameters and applies ``optimization.optimizer.backend``; master weights need a
-        sharding strategy and are refused here with a warning.
+        the parameters and applies ``optimization.optimizer`` (master weights only where
+        ``master_weights`` is set).
         """
         from litegen.optim import configure_optimizer
 
-        return configure_optimizer(optimizer, self.optimization.optimizer, master_weights=False)
+        return configure_optimizer(
+            optimizer, self.optimization.optimizer, master_weights=self.master_weights
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper this strategy added."""

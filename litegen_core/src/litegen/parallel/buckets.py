@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,10 +73,22 @@ class Bucket:
             if lo < hi:
                 yield p, lo - offset, lo - start, hi - lo
 
-    def read_params(self, out: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-        """Copy parameter values of bucket range ``[start, start + numel)`` into ``out``."""
+    def read_params(
+        self,
+        out: torch.Tensor,
+        start: int,
+        numel: int,
+        source: Callable[[nn.Parameter], torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """Copy bucket range ``[start, start + numel)`` of the parameters into ``out``.
+
+        ``source(p)``, when given, supplies a tensor shaped like ``p`` (optimizer state, a
+        loaded average) to read instead of ``p``; None leaves ``p``'s range of ``out`` as is.
+        """
         for p, p_off, o_off, n in self.pieces(start, numel):
-            out[o_off : o_off + n].copy_(p.detach().reshape(-1)[p_off : p_off + n])
+            value = p.detach() if source is None else source(p)
+            if value is not None:
+                out[o_off : o_off + n].copy_(value.reshape(-1)[p_off : p_off + n])
         return out
 
 
@@ -163,14 +176,11 @@ class BucketedGradients:
         self.sync = True
         self._next = 0  # the next bucket to launch, in index order
         self._callback_queued = False
-        self._handles = []
         if overlap:
             for bucket in buckets:
                 bucket.waiting = len(bucket.params)
                 for p in bucket.params:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(self._hook_for(bucket))
-                    )
+                    p.register_post_accumulate_grad_hook(self._hook_for(bucket))
 
     def _hook_for(self, bucket: Bucket):
         def hook(_param: torch.Tensor) -> None:
@@ -270,11 +280,6 @@ class BucketedGradients:
             if grad is not None:
                 total += grad.float().pow(2).sum()
         return total
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 def gather_params(buckets: list[Bucket]) -> None:

@@ -32,8 +32,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from litegen.memory.blocks import repeated_blocks
-from litegen.parallel.base import Strategy
-from litegen.parallel.fsdp2 import broadcast_from_rank0, rebind_optimizer
+from litegen.parallel.base import Strategy, broadcast_from_rank0
+from litegen.parallel.fsdp2 import rebind_optimizer
 from litegen.precision import DTYPES
 
 log = logging.getLogger("litegen")

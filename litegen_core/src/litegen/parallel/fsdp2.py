@@ -14,13 +14,12 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from litegen.parallel.base import Strategy
+from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.wrap import last_unit, plan_units
 from litegen.precision import fsdp2_mixed_policy
@@ -72,13 +71,6 @@ def rebind_optimizer(
     return optimizer
 
 
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """Start every rank from rank 0's weights, as DDP and FSDP1 (sync_module_states) do."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-
-
 class Fsdp2Strategy(Strategy):
     """``fully_shard`` on each planned unit, then on the root, over a 1-D data-parallel mesh.
 
@@ -88,6 +80,8 @@ class Fsdp2Strategy(Strategy):
     """
 
     name: ClassVar[str] = "fsdp2"
+    # The master step handles DTensor shards through to_local() (see litegen.optim).
+    master_weights: ClassVar[bool] = True
 
     def mesh(self) -> DeviceMesh:
         return dp_mesh(self.plan)
@@ -120,12 +114,8 @@ class Fsdp2Strategy(Strategy):
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
     ) -> torch.optim.Optimizer:
-        # Imported here: litegen.optim is only needed once an optimizer is prepared.
-        from litegen.optim import configure_optimizer
-
         rebind_optimizer(optimizer, model, fqn_of)
-        # Backend flags and FP32 master weights (which step DTensor shards via to_local()).
-        return configure_optimizer(optimizer, self.optimization.optimizer)
+        return super().wrap_optimizer(optimizer, model, fqn_of)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         # fully_shard changes the module's class in place; there is no wrapper to peel off.

@@ -60,14 +60,12 @@ def plan_manual(model: nn.Module, cfg: Any) -> list[str]:
             "module paths to shard (e.g. ['blocks.0', 'blocks.1']) or use wrap_strategy "
             "'repeated'."
         )
-    modules = dict(model.named_modules())
-    unknown = [p for p in paths if p not in modules]
-    if unknown or "" in paths:
+    if "" in paths:
         raise ValueError(
-            f"{_FIELD}.wrap_paths searched for modules {unknown or ['']} that are not "
-            "submodules of the model (the root is always sharded and is not listed); use dotted "
-            f"paths from model.named_modules(), e.g. {[n for n in modules if n][:4]}."
+            f"{_FIELD}.wrap_paths lists the root module (''); the root is always sharded last, "
+            "so list only submodules (dotted paths from model.named_modules())."
         )
+    submodules_at(model, paths, f"{_FIELD}.wrap_paths")
     return paths
 
 

@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from litegen.optim import configure_optimizer, enable_master_weights, set_backend
+from litegen.optim import apply_backend, configure_optimizer, enable_master_weights
 from litegen.parallel import zero_state
-from litegen.parallel.base import Strategy
+from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.buckets import (
     BucketedGradients,
     build_buckets,
@@ -98,7 +98,7 @@ class _Partition:
         previous = strategy.full_state_of(optimizer, self.fqn) if optimizer.state else None
         opt_settings = strategy.optimization.optimizer
         if self.native:
-            set_backend(optimizer, opt_settings.backend)  # ZeRO copies the user's group flags
+            apply_backend(optimizer, opt_settings)  # ZeRO copies the user's group flags
             self.stepper = self._native_optimizer(optimizer, settings.parameter_sync)
             self.local = self.stepper.optim
             if opt_settings.fp32_master_weights:
@@ -226,10 +226,8 @@ class _Partition:
                     state[key] = value.clone() if torch.is_tensor(value) else value
                     continue
                 shard = torch.zeros(bucket.shard_numel, dtype=value.dtype, device=bucket.device)
-                for p, p_off, s_off, n in bucket.pieces(bucket.shard_start, bucket.shard_numel):
-                    source = states.get(self.fqn[id(p)], {}).get(key)
-                    if source is not None:
-                        shard[s_off : s_off + n] = source.reshape(-1)[p_off : p_off + n]
+                values = {p: s[key] for p, s in known if key in s}
+                bucket.read_params(shard, bucket.shard_start, bucket.shard_numel, values.get)
                 state[key] = shard
             self.local.state[bucket.shard] = state
 
@@ -247,6 +245,7 @@ class Zero1Strategy(Strategy):
 
     name = "zero1"
     grad_mode: ClassVar[str] = "all_reduce"
+    master_weights: ClassVar[bool] = True
 
     def __init__(self, plan, optimization) -> None:
         super().__init__(plan, optimization)
@@ -255,10 +254,7 @@ class Zero1Strategy(Strategy):
     # -- wrapping --------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.plan.device)
-        # Replicated parameters: start every rank from rank 0's weights, as DDP does.
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        broadcast_from_rank0(model)  # replicated parameters
         self._partitions[id(model)] = []
         return model
 
@@ -357,12 +353,6 @@ class Zero1Strategy(Strategy):
             shapes=part.shapes,
             groups=part.groups(),
             strategy=self.name,
-        )
-
-    def load_optimizer_file(self, optimizer, model: nn.Module, path: Path) -> None:
-        """Load a manifest + shards (any world size) or a full file (of any strategy)."""
-        self.load_full_optimizer_state(
-            optimizer, model, zero_state.load_optimizer_state(Path(path))
         )
 
     # -- torch.distributed.checkpoint ------------------------------------------------------------

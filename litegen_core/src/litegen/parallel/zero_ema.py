@@ -36,6 +36,8 @@ class BucketEMA:
         self.shards = [self._source(b).float().clone() for b in buckets]
         self.whole = {name: p.detach().float().clone() for name, p in self.replicated.items()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        # Resolved once: walking the module tree at every update costs more than the copies.
+        self._buffer_pairs = [(self.buffers[n], b) for n, b in model.named_buffers()]
 
     def _source(self, bucket: Bucket) -> torch.Tensor:
         state = self.optimizer.state.get(bucket.shard)
@@ -48,8 +50,8 @@ class BucketEMA:
         sources = [self._source(b).float() for b in self.buckets]
         sources += [p.detach().float() for p in self.replicated.values()]
         torch._foreach_lerp_(targets, sources, 1.0 - decay)
-        for name, buffer in self.model.named_buffers():
-            self.buffers[name].copy_(buffer)
+        for mine, theirs in self._buffer_pairs:
+            mine.copy_(theirs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
@@ -64,9 +66,9 @@ class BucketEMA:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for bucket, shard in zip(self.buckets, self.shards, strict=True):
-            for p, p_off, s_off, n in bucket.pieces(bucket.shard_start, bucket.shard_numel):
-                full = state[self.name_of[id(p)]].reshape(-1)
-                shard[s_off : s_off + n].copy_(full[p_off : p_off + n])
+            bucket.read_params(
+                shard, bucket.shard_start, bucket.shard_numel, lambda p: state[self.name_of[id(p)]]
+            )
         for name, tensor in self.whole.items():
             tensor.copy_(state[name])
         for name, buffer in self.buffers.items():
@@ -75,8 +77,7 @@ class BucketEMA:
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
         """The full average (identical on every rank, so DCP stores it once)."""
-        self._dcp = self.state_dict()
-        return self._dcp
+        return self.state_dict()
 
     def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(state)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from litegen.checkpoint.files import atomic_write, load_state, save_state
+from litegen.checkpoint.files import atomic_write_text, load_state, save_state
 
 MANIFEST_FORMAT = "litegen.zero.sharded_optimizer"
 Piece = dict[str, Any]
@@ -124,7 +124,7 @@ def save_sharded(
             "shapes": shapes,
             "param_groups": groups,
         }
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+        atomic_write_text(path, json.dumps(manifest, indent=1))
     dist.barrier()
     return path
 
@@ -162,6 +162,6 @@ def load_optimizer_state(path: Path) -> dict[str, Any]:
                 f"optimizer shard {shard_path} named by the manifest {path} is missing; copy "
                 f"all {manifest['world_size']} shard files next to the manifest."
             )
-        pieces.extend(torch.load(shard_path, map_location="cpu", weights_only=True)["pieces"])
+        pieces.extend(load_state(shard_path, what="optimizer shard")["pieces"])
     state = full_from_pieces(pieces, manifest["shapes"])
     return full_state(state, manifest["param_groups"])

@@ -26,6 +26,7 @@ from litegen.checkpoint import (
     replace_dir,
     save_state,
 )
+from litegen.runtime.prepare import PreparedModel
 
 log = logging.getLogger("litegen")
 
@@ -208,6 +209,14 @@ class CheckpointAPI:
         state = load_state(path, what=what)
         check_model_state(model.state_dict(), state, path)
         model.load_state_dict(state)
+
+    def _load_ema(self, entry: PreparedModel, path: str) -> None:
+        """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
+        state = load_state(path, what="ema.resume_from")
+        model = entry.strategy.unwrap(entry.module)
+        expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        check_model_state(expected, state, path)
+        self.ema.load_state_dict(state)
 
     def _resume(self, model_path: str) -> None:
         entry = self._entry()

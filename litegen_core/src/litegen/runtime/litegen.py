@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint import check_model_state, load_state
 from litegen.data import build_dataloader
 from litegen.ema import EMA
 from litegen.memory import apply_memory_optimizations
@@ -144,12 +143,7 @@ class LiteGen(CheckpointAPI):
         )
         entry.ema_template = None
         if ema_cfg.resume_from:
-            state = load_state(ema_cfg.resume_from, what="ema.resume_from")
-            model = entry.strategy.unwrap(entry.module)
-            expected = {n: p for n, p in model.named_parameters()}
-            expected.update(model.named_buffers())
-            check_model_state(expected, state, ema_cfg.resume_from)
-            self.ema.load_state_dict(state)
+            self._load_ema(entry, ema_cfg.resume_from)
 
     def _prepare_model(
         self, model: nn.Module, strategy, optimization, *, first: bool

@@ -8,8 +8,9 @@
     config.my_model.depth                           # user extras become Config objects
 
 Every constructor raises one ``ValueError`` (``ConfigError``) listing every bad field.
-This module never imports torch, so the CLI can validate a recipe quickly. The section
-models live in :mod:`litegen.utils.config_sections` and are re-exported here.
+This module never imports torch, so the CLI can validate a recipe quickly. The base classes
+live in :mod:`litegen.utils.config_base`, the section models in
+:mod:`litegen.utils.config_sections`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from typing import Any, Self
 import yaml
 from pydantic import Field, field_validator
 
+from litegen.utils.config_base import Config, ConfigError, Section
 from litegen.utils.config_sections import (
     ActivationCheckpointConfig,
     CompileConfig,
-    Config,
-    ConfigError,
     DistributedConfig,
     Dtype,
     EMAConfig,
@@ -41,7 +41,6 @@ from litegen.utils.config_sections import (
     ParallelConfig,
     PrecisionConfig,
     RuntimeConfig,
-    Section,
     TrainerConfig,
     Zero1Config,
 )
