@@ -10,6 +10,10 @@ forward, ``save_on_cpu`` for offload), with the same blocks checkpointed.
     uv run --no-sync python scripts/bench_memory.py --max-seq --out max_seq.json
     uv run --no-sync python scripts/bench_memory.py --device cpu --tiny   # smoke check
     python3 scripts/bench_memory.py --compile --cases none ops full --out compiled.json
+    python3 scripts/bench_memory.py --compile --cases none ops budget_0.5 budget_0.3
+
+The ``budget_*`` cases (policy ``memory_budget``: compile's partitioner decides what each block
+saves) need ``--compile``; by hand they are the same budget set in ``torch._functorch.config``.
 
 ``--max-seq`` finds the longest sequence (batch 1) that trains without checkpointing, with
 full checkpointing, and with checkpointing plus offload: doubling until out of memory, then
@@ -35,7 +39,7 @@ from dit_model import DiT, DiTConfig, sample_batch, sync
 
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, select_evenly
-from litegen.memory.checkpointing import ops_policy_context
+from litegen.memory.checkpointing import POLICY_CONTEXTS
 from litegen.utils.config import CompileConfig, MemoryConfig
 
 GIB = 2**30
@@ -47,8 +51,15 @@ CASES: dict[str, tuple[bool, float, str, bool]] = {
     "selective_0.5": (True, 0.5, "block", False),
     "selective_0.75": (True, 0.75, "block", False),
     "ops": (True, 0.0, "ops", False),
+    "ops_lean": (True, 0.0, "ops_lean", False),
     "full_offload": (True, 0.0, "block", True),
+    **{f"budget_{b}": (True, 0.0, "memory_budget", False) for b in ("0.5", "0.3", "0.1")},
 }
+
+
+def budget_of(case: str) -> float | None:
+    """The memory budget of a ``budget_*`` case, else None."""
+    return float(case.removeprefix("budget_")) if case.startswith("budget_") else None
 
 
 def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: bool = False):
@@ -68,17 +79,23 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
                     "enabled": enabled,
                     "selective_ratio": ratio,
                     "policy": policy,
+                    "memory_budget": budget_of(case) or 0.0,
                 },
                 "activation_offload": offload,
             }
         )
-        offloader = apply_memory_optimizations(model, memory, strategy="ddp").offloader
+        report = apply_memory_optimizations(model, memory, strategy="ddp")
+        offloader = report.offloader
         if compile_:
-            compile_blocks(model, CompileConfig(enabled=True, dynamic=False))
+            compile_blocks(
+                model,
+                CompileConfig(enabled=True, dynamic=False),
+                memory_budget=report.memory_budget,
+            )
     elif enabled:
         names = [f"blocks.{i}" for i in range(cfg.depth)]
         model.hand_checkpoint = {int(n.split(".")[1]) for n in select_evenly(names, ratio)}
-        model.hand_context_fn = ops_policy_context if policy == "ops" else None
+        model.hand_context_fn = POLICY_CONTEXTS[policy]
         model.hand_offload = offload
     if compile_ and impl == "hand":
         for i, block in enumerate(model.blocks):
@@ -103,6 +120,14 @@ def train_step(model, optimizer, batch, device: torch.device) -> None:
 
 
 def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
+    budget = budget_of(case)
+    if impl == "hand" and budget is not None:  # what a user sets by hand: the global config
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return _measure(args, cfg, case, impl, device)
+    return _measure(args, cfg, case, impl, device)
+
+
+def _measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
     model, optimizer, offloader = build(cfg, case, impl, device, args.compile)
     batch = sample_batch(cfg, args.batch, args.tokens, device)
     for _ in range(args.warmup):  # also allocates the optimizer state and pinned buffers
@@ -221,7 +246,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--cases", nargs="*", choices=list(CASES), help="default: all (budget_* with --compile)"
+    )
     parser.add_argument(
         "--impls", nargs="*", default=["litegen", "hand"], choices=["litegen", "hand"]
     )
@@ -237,6 +264,10 @@ def main() -> None:
     if args.tiny:
         args.tokens, args.batch, args.warmup, args.repeats = 64, 2, 1, 2
         args.seq_start, args.seq_cap, args.seq_step = 64, 256, 32
+    if args.cases is None:
+        args.cases = [c for c in CASES if args.compile or budget_of(c) is None]
+    if not args.compile and any(budget_of(c) is not None for c in args.cases):
+        parser.error("the budget_* cases are carried out by torch.compile; add --compile")
     cfg = DiTConfig.tiny() if args.tiny else DiTConfig()
     device = torch.device(args.device)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

@@ -35,17 +35,20 @@ def loss_and_grads(model, tokens=64):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_inductor_blocks_match_eager(checkpoint):
+@pytest.mark.parametrize("policy", [None, "block", "ops", "ops_lean", "memory_budget"])
+def test_inductor_blocks_match_eager(policy):
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = DiT(SMALL).cuda()
     compiled = DiT(SMALL).cuda()
     compiled.load_state_dict(eager.state_dict())
-    if checkpoint:
-        memory = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.0}}
-        apply_memory_optimizations(compiled, MemoryConfig.model_validate(memory))
-    assert len(compile_blocks(compiled, CompileConfig(enabled=True, dynamic=None))) == 3
+    budget = None
+    if policy:
+        checkpoint = {"enabled": True, "selective_ratio": 0.0, "policy": policy}
+        memory = MemoryConfig.model_validate({"activation_checkpoint": checkpoint})
+        budget = apply_memory_optimizations(compiled, memory).memory_budget
+    cfg = CompileConfig(enabled=True, dynamic=None)
+    assert len(compile_blocks(compiled, cfg, memory_budget=budget)) == 3
     ref_loss, ref_grads = loss_and_grads(eager)
     loss, grads = loss_and_grads(compiled)
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-3)

@@ -71,6 +71,36 @@ def test_compiled_blocks_match_eager_and_keep_names(checkpoint: bool):
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+def saved_bytes_and_grads(model: DiT) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes the forward saves for backward, and the gradients."""
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, grads = loss_and_grads(model)
+    return saved, grads
+
+
+def test_a_memory_budget_makes_compiled_blocks_save_less_with_the_same_gradients():
+    # aot_eager_decomp_partition splits forward and backward with the min-cut partitioner,
+    # the one inductor uses and the one the budget steers.
+    runs = {}
+    for budget in (None, 0.0):
+        model = make()
+        cfg = CompileConfig(enabled=True, dynamic=False)
+        compile_blocks(model, cfg, backend="aot_eager_decomp_partition", memory_budget=budget)
+        runs[budget] = saved_bytes_and_grads(model)
+        torch._dynamo.reset()
+    (default_bytes, default_grads), (lean_bytes, lean_grads) = runs[None], runs[0.0]
+    assert lean_bytes < 0.8 * default_bytes
+    for name, grad in default_grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, msg=name)
+
+
 def test_variable_sequence_lengths_recompile_at_most_twice():
     model = make()
     counter = CompileCounter()

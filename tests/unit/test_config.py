@@ -354,6 +354,7 @@ def test_defaults_of_every_field() -> None:
                     "selective_ratio": 1.0,
                     "target_paths": [],
                     "policy": "block",
+                    "memory_budget": 0.5,
                 },
                 "activation_offload": False,
             },

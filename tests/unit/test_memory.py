@@ -150,16 +150,44 @@ def test_ops_policy_recomputes_no_matmul_or_attention():
     assert counts[0] == counts[1]
 
 
+def test_ops_lean_policy_recomputes_only_the_mlp_up_projection():
+    x, cond = batch()
+    plain, model = make_net(), make_net()
+    apply_memory_optimizations(model, memory_cfg(0.0, policy="ops_lean"))
+    counts = []
+    for m in (plain, model):
+        loss = m(x, cond)
+        with FlopCounterMode(display=False) as bwd:
+            loss.backward()
+        counts.append(bwd.get_total_flops())
+    # Of ada (2x wider), qkv (3x), proj, mlp.0 (4x) and mlp.2, only mlp.0 widens 4x.
+    up_projection = 2 * BATCH * TOKENS * HIDDEN * 4 * HIDDEN
+    assert counts[1] == counts[0] + len(model.blocks) * up_projection
+
+
+def test_memory_budget_policy_leaves_the_blocks_to_compile():
+    model = make_net()
+    report = apply_memory_optimizations(
+        model, memory_cfg(0.0, policy="memory_budget", memory_budget=0.3)
+    )
+    assert report.memory_budget == 0.3 and report.checkpointed == []
+    assert not any(is_checkpointed(b) for b in model.blocks)
+    assert "memory_budget, 0.3" in report.describe()
+    with pytest.raises(ValueError, match="policy memory_budget checkpoints none"):
+        apply_memory_optimizations(make_net(), memory_cfg(0.0, True, policy="memory_budget"))
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
         memory_cfg(0.0),
         memory_cfg(0.5),
         memory_cfg(0.0, policy="ops"),
+        memory_cfg(0.0, policy="ops_lean"),
         memory_cfg(0.0, offload=True),
         memory_cfg(0.5, offload=True, policy="ops"),
     ],
-    ids=["full", "half", "ops", "offload", "half-ops-offload"],
+    ids=["full", "half", "ops", "ops_lean", "offload", "half-ops-offload"],
 )
 def test_losses_and_gradients_are_exactly_unchanged(cfg):
     expected = loss_and_grads(make_net(), batch())

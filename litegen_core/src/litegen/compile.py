@@ -22,6 +22,14 @@ resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on
 variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
 eagerly: use it only for fixed shapes.
 
+``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
+partitioner decides, when it splits a compiled block into forward and backward, which
+activations to save and which to recompute. Below 1 it solves a knapsack over the block's ops:
+save as little as the budget allows while recomputing the fewest FLOPs (elementwise work first,
+then the cheapest matmuls). 0 saves the least it can, 1 what it saves by default. The budget is
+set around each call of a compiled block, where that split happens, rather than process-wide,
+so code outside LiteGen's blocks compiles as usual.
+
 Example:
     >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))
     ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
@@ -44,13 +52,25 @@ log = logging.getLogger("litegen")
 class _CompiledForward:
     """Marks a compiled ``forward`` so a second ``prepare`` never compiles a block twice."""
 
-    def __init__(self, original: Callable, compiled: Callable, patched: bool) -> None:
+    def __init__(
+        self,
+        original: Callable,
+        compiled: Callable,
+        patched: bool,
+        memory_budget: float | None = None,
+    ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
         self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
+        self.memory_budget = memory_budget
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compiled(*args, **kwargs)
+        if self.memory_budget is None:
+            return self.compiled(*args, **kwargs)
+        # Read when AOTAutograd partitions the block, which happens inside this call on its
+        # first run and on every recompile.
+        with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
+            return self.compiled(*args, **kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -64,13 +84,15 @@ def compile_blocks(
     *,
     paths: Sequence[str] | None = None,
     backend: str | Callable | None = None,
+    memory_budget: float | None = None,
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
     ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``). ``paths``
     overrides the blocks (default: :func:`litegen.memory.repeated_blocks`; the whole model's
     ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
-    C++/Triton code generation); runs use inductor.
+    C++/Triton code generation); runs use inductor. ``memory_budget`` in [0, 1] bounds what
+    each compiled block saves for backward (module docstring); ``None`` leaves compile's default.
 
     Example:
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
@@ -105,7 +127,8 @@ def compile_blocks(
             continue
         original = module.forward
         patched = "forward" in module.__dict__
-        module.forward = _CompiledForward(original, torch.compile(original, **kwargs), patched)
+        compiled = torch.compile(original, **kwargs)
+        module.forward = _CompiledForward(original, compiled, patched, memory_budget)
         done.append(path)
     return done
 

@@ -38,9 +38,15 @@ class MemoryReport:
     checkpointed: list[str] = field(default_factory=list)
     policy: str = "block"
     offloader: ActivationOffloader | None = None
+    memory_budget: float | None = None  # policy memory_budget: applied by compile_blocks
 
     def describe(self) -> str:
         """One log line, e.g. ``checkpointed 2 of 4 blocks (policy block): b.1, b.3; offload on``."""
+        if self.memory_budget is not None:
+            return (
+                "activation checkpointing: compile's partitioner chooses what the compiled "
+                f"blocks save (policy memory_budget, {self.memory_budget})"
+            )
         if not self.checkpointed:
             return f"activation checkpointing: none of {len(self.candidates)} candidate blocks"
         offload = "on" if self.offloader is not None else "off"
@@ -107,6 +113,15 @@ def apply_memory_optimizations(
         )
     if not ac.enabled:
         return MemoryReport(policy=ac.policy)
+    if ac.policy == "memory_budget":
+        # No block is wrapped: compile's partitioner does the recomputation (compile_blocks).
+        if memory.activation_offload:
+            raise ValueError(
+                "optimization.memory.activation_offload moves the inputs of checkpointed "
+                "blocks, and activation_checkpoint.policy memory_budget checkpoints none; use "
+                "policy block or ops with offload, or set activation_offload: false."
+            )
+        return MemoryReport(policy=ac.policy, memory_budget=ac.memory_budget)
     candidates = candidate_blocks(model, ac, strategy)
     chosen = select_evenly(candidates, ac.selective_ratio)
     offloader = ActivationOffloader() if memory.activation_offload and chosen else None

@@ -54,6 +54,20 @@ SAVED_OPS = frozenset(
 )
 
 
+# The ops linear layers lower to, and where their two matrix operands sit in the arguments.
+# Batched matmuls (bmm, baddbmm) are left out: in a block they are attention written by hand,
+# whose scores are wide but far from cheap to recompute.
+_LINEAR_OPERANDS = {"mm": 0, "_scaled_mm": 0, "addmm": 1}
+LINEAR_OPERANDS = {
+    getattr(aten, name).default: first
+    for name, first in _LINEAR_OPERANDS.items()
+    if hasattr(aten, name)
+}
+# ``ops_lean`` recomputes linear layers whose output is at least this many times wider than
+# their input: a DiT/ViT MLP's up-projection (4x), the widest activation of a block.
+LEAN_RECOMPUTE_WIDENING = 4
+
+
 def _keep_expensive_ops(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -65,6 +79,41 @@ def ops_policy_context() -> tuple[Any, Any]:
         >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context)
     """
     return create_selective_checkpoint_contexts(_keep_expensive_ops)
+
+
+def _widening(func: Any, args: tuple) -> float:
+    """How many times wider a linear layer's output rows are than its input rows (N / K)."""
+    first = LINEAR_OPERANDS[func]
+    a, b = args[first], args[first + 1]
+    return b.shape[-1] / a.shape[-1]
+
+
+def _keep_all_but_widening_linears(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    if func in LINEAR_OPERANDS and _widening(func, args) >= LEAN_RECOMPUTE_WIDENING:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return _keep_expensive_ops(ctx, func, *args, **kwargs)
+
+
+def ops_lean_policy_context() -> tuple[Any, Any]:
+    """Like :func:`ops_policy_context`, but also recomputes the widening linear layers.
+
+    A linear layer (``mm``/``addmm``) whose output is at least ``LEAN_RECOMPUTE_WIDENING`` (4)
+    times wider than its input is recomputed: in DiT and ViT blocks that is the MLP's
+    up-projection, whose output is the largest activation of the block. Recomputing it costs
+    one matmul per block.
+
+    Example:
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_lean_policy_context)
+    """
+    return create_selective_checkpoint_contexts(_keep_all_but_widening_linears)
+
+
+# policy name -> context_fn (``block`` needs none: everything is recomputed)
+POLICY_CONTEXTS: dict[str, Callable[[], tuple[Any, Any]] | None] = {
+    "block": None,
+    "ops": ops_policy_context,
+    "ops_lean": ops_lean_policy_context,
+}
 
 
 def select_evenly(paths: Sequence[str], selective_ratio: float) -> list[str]:
@@ -129,17 +178,21 @@ def checkpoint_modules(
     """Checkpoint the submodules at ``paths`` in place; returns the paths patched.
 
     ``policy="ops"`` keeps matmul and attention outputs inside each block (selective checkpoint
-    contexts). With an ``offloader`` (:class:`litegen.memory.offload.ActivationOffloader`), the
-    inputs each block saves go to CPU memory until the backward pass needs them.
+    contexts); ``"ops_lean"`` recomputes the widening linear layers (MLP up-projections) too.
+    With an ``offloader`` (:class:`litegen.memory.offload.ActivationOffloader`), the inputs each
+    block saves go to CPU memory until the backward pass needs them.
 
     Example:
         >>> checkpoint_modules(dit, ["blocks.1", "blocks.3"])
         ['blocks.1', 'blocks.3']
     """
-    if policy not in ("block", "ops"):
-        raise ValueError(f"activation_checkpoint.policy '{policy}' is unknown; use block or ops.")
+    if policy not in POLICY_CONTEXTS:
+        raise ValueError(
+            f"activation_checkpoint.policy '{policy}' is unknown; use one of "
+            f"{', '.join(POLICY_CONTEXTS)}."
+        )
     check_paths(model, paths)
-    context_fn = ops_policy_context if policy == "ops" else None
+    context_fn = POLICY_CONTEXTS[policy]
     for path in paths:
         module = model.get_submodule(path)
         if is_checkpointed(module):

@@ -165,6 +165,12 @@ class LiteGen(CheckpointAPI):
                 template = copy.deepcopy(model)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
+            if memory.memory_budget is not None and not optimization.compile.enabled:
+                raise ValueError(
+                    "optimization.memory.activation_checkpoint.policy memory_budget is carried "
+                    "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
+                    "or use policy ops (or block) without compile."
+                )
             if optimization.memory.activation_checkpoint.enabled:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
@@ -172,7 +178,9 @@ class LiteGen(CheckpointAPI):
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
 
-                compiled = compile_blocks(model, optimization.compile)
+                compiled = compile_blocks(
+                    model, optimization.compile, memory_budget=memory.memory_budget
+                )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
             return PreparedModel(

@@ -121,8 +121,14 @@ class ActivationCheckpointConfig(Section):
     enabled: bool = False
     selective_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share left uncheckpointed")
     target_paths: list[str] = Field(default_factory=list)
-    policy: Literal["block", "ops"] = "block"
-    """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the rest."""
+    policy: Literal["block", "ops", "ops_lean", "memory_budget"] = "block"
+    """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the
+    rest; ``ops_lean`` also recomputes matmuls that widen their input 4x (MLP up-projections);
+    ``memory_budget`` (needs ``optimization.compile``) lets compile's partitioner choose what
+    every compiled block saves, within ``memory_budget``."""
+    memory_budget: float = Field(
+        0.5, ge=0.0, le=1.0, description="policy memory_budget: 0 saves least, 1 as compile does"
+    )
 
 
 class MemoryConfig(Section):
