@@ -141,6 +141,18 @@ def test_model_without_repeated_blocks_compiles_its_forward():
     torch.testing.assert_close(model(torch.ones(2, 4)), model.forward.original(torch.ones(2, 4)))
 
 
+def test_inductor_options_are_checked_by_name_and_type_and_exclude_mode():
+    options = {"coordinate_descent_tuning": True}
+    paths = compile_blocks(make(), CompileConfig(enabled=True, options=options))
+    assert paths == ["blocks.0", "blocks.1", "blocks.2"]
+    with pytest.raises(ValueError, match=r"options: Unexpected optimization option no_such"):
+        compile_blocks(make(), CompileConfig(enabled=True, options={"no_such": 1}))
+    with pytest.raises(ValueError, match=r"options: Unexpected type of attr"):
+        compile_blocks(make(), CompileConfig(enabled=True, options={"debug": "yes"}))
+    with pytest.raises(ValueError, match=r"only with mode: default"):
+        compile_blocks(make(), CompileConfig(enabled=True, mode="max-autotune", options=options))
+
+
 def test_mode_needs_inductor():
     with pytest.raises(ValueError, match="inductor"):
         compile_blocks(make(), CompileConfig(enabled=True, mode="max-autotune"), backend="eager")

@@ -347,7 +347,7 @@ def test_defaults_of_every_field() -> None:
                 "allow_tf32": True,
             },
             "optimizer": {"fp32_master_weights": False, "backend": "single_tensor"},
-            "compile": {"enabled": False, "mode": "default", "dynamic": False},
+            "compile": {"enabled": False, "mode": "default", "dynamic": False, "options": {}},
             "memory": {
                 "activation_checkpoint": {
                     "enabled": False,

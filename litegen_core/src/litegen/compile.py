@@ -88,7 +88,8 @@ def compile_blocks(
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
-    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``). ``paths``
+    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``,
+    ``options``). ``paths``
     overrides the blocks (default: :func:`litegen.memory.repeated_blocks`; the whole model's
     ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
     C++/Triton code generation); runs use inductor. ``memory_budget`` in [0, 1] bounds what
@@ -116,6 +117,14 @@ def compile_blocks(
                 "use mode: default with other backends."
             )
         kwargs["mode"] = compile_cfg.mode
+    if compile_cfg.options:
+        if compile_cfg.mode != "default" or backend not in (None, "inductor"):
+            raise ValueError(
+                "optimization.compile.options are inductor options, which torch.compile takes "
+                f"only with mode: default and the inductor backend (mode is {compile_cfg.mode!r});"
+                " set mode: default, or leave options empty."
+            )
+        kwargs["options"] = dict(compile_cfg.options)
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
@@ -127,7 +136,16 @@ def compile_blocks(
             continue
         original = module.forward
         patched = "forward" in module.__dict__
-        compiled = torch.compile(original, **kwargs)
+        try:
+            compiled = torch.compile(original, **kwargs)
+        except RuntimeError as exc:  # torch checks the options' names and types here
+            if not compile_cfg.options:
+                raise
+            reason = str(exc).split(", known options")[0]  # the rest lists every option
+            raise ValueError(
+                f"optimization.compile.options: {reason}; the names and types are those of "
+                "torch._inductor.config."
+            ) from exc
         module.forward = _CompiledForward(original, compiled, patched, memory_budget)
         done.append(path)
     return done

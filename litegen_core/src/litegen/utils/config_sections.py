@@ -113,6 +113,9 @@ class CompileConfig(Section):
         "default"
     )
     dynamic: bool | None = False
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Inductor options passed as ``torch.compile(options=...)``, e.g.
+    ``coordinate_descent_tuning: true``; torch allows them only with ``mode: default``."""
 
 
 class ActivationCheckpointConfig(Section):
