@@ -71,6 +71,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
     torch.manual_seed(0)
     model = DiT(cfg).to(device)
     enabled, ratio, policy, offload = CASES[case]
+    budget = budget_of(case)
     offloader = None
     if impl == "litegen":
         memory = MemoryConfig.model_validate(
@@ -79,7 +80,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
                     "enabled": enabled,
                     "selective_ratio": ratio,
                     "policy": policy,
-                    "memory_budget": budget_of(case) or 0.0,
+                    **({"memory_budget": budget} if budget is not None else {}),
                 },
                 "activation_offload": offload,
             }

@@ -25,8 +25,8 @@ eagerly: use it only for fixed shapes.
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
 activations to save and which to recompute. Below 1 it solves a knapsack over the block's ops:
-save as little as the budget allows while recomputing the fewest FLOPs (elementwise work first,
-then the cheapest matmuls). 0 saves the least it can, 1 what it saves by default. The budget is
+keep the saved bytes within the budget while recomputing what its runtime estimate (FLOP
+counts) calls cheapest. 0 saves the least it can, 1 what it saves by default. The budget is
 set around each call of a compiled block, where that split happens, rather than process-wide,
 so code outside LiteGen's blocks compiles as usual.
 
@@ -89,9 +89,8 @@ def compile_blocks(
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
     ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``,
-    ``options``). ``paths``
-    overrides the blocks (default: :func:`litegen.memory.repeated_blocks`; the whole model's
-    ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
+    ``options``). ``paths`` overrides the blocks (default: :func:`litegen.memory.repeated_blocks`;
+    the whole model's ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
     C++/Triton code generation); runs use inductor. ``memory_budget`` in [0, 1] bounds what
     each compiled block saves for backward (module docstring); ``None`` leaves compile's default.
 

@@ -119,7 +119,7 @@ def apply_memory_optimizations(
             raise ValueError(
                 "optimization.memory.activation_offload moves the inputs of checkpointed "
                 "blocks, and activation_checkpoint.policy memory_budget checkpoints none; use "
-                "policy block or ops with offload, or set activation_offload: false."
+                "policy block, ops or ops_lean with offload, or set activation_offload: false."
             )
         return MemoryReport(policy=ac.policy, memory_budget=ac.memory_budget)
     candidates = candidate_blocks(model, ac, strategy)

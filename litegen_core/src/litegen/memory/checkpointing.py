@@ -88,7 +88,9 @@ def _widening(func: Any, args: tuple) -> float:
     return b.shape[-1] / a.shape[-1]
 
 
-def _keep_all_but_widening_linears(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+def _keep_all_but_widening_linears(
+    ctx: Any, func: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
     if func in LINEAR_OPERANDS and _widening(func, args) >= LEAN_RECOMPUTE_WIDENING:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return _keep_expensive_ops(ctx, func, *args, **kwargs)
