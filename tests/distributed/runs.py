@@ -6,6 +6,7 @@ prepares the tiny DiT with AdamW and the pair dataset, and trains ``max_steps`` 
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import torch
@@ -19,18 +20,21 @@ def train_tiny(fields: dict[str, Any]):
     from litegen.trainer import Trainer
     from litegen.utils.config import MainConfig
 
-    defaults = {
-        "runtime": {"device": "cpu"},
-        "global_batch_size": 8,
-        "trainer": {"log_every": 1, "save_final": False},
-    }
-    config = MainConfig.from_dict(defaults | fields)
-    gen = litegen.initialize(config)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
-    parts = {"model": model, "optimizer": optimizer, "loader": loader}
-    losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
+    # Metrics go to a folder of this run's own, never to results/ in the working directory.
+    with tempfile.TemporaryDirectory(prefix="litegen-test-") as results:
+        defaults = {
+            "runtime": {"device": "cpu"},
+            "results_dir": results,
+            "global_batch_size": 8,
+            "trainer": {"log_every": 1, "save_final": False},
+        }
+        config = MainConfig.from_dict(defaults | fields)
+        gen = litegen.initialize(config)
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
+        parts = {"model": model, "optimizer": optimizer, "loader": loader}
+        losses = Trainer(gen, lambda batch, model: loss_fn(model, batch), parts).fit()
     return gen, model, losses
 
 
