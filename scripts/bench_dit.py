@@ -30,8 +30,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -275,6 +277,25 @@ def compare(args, cfg: DiTConfig, tokens: int, device: torch.device, world: int)
     for row in rows:
         row["strategy"] = args.strategy
     return rows
+
+
+def for_each_strategy(args, strategies: list[str], run: Callable[[], Any]) -> tuple[list, dict]:
+    """``run()`` once per strategy (set as ``args.strategy``); returns (results, failures).
+
+    One strategy failing must not hide the others' figures, so its error is recorded (and
+    printed on rank 0) in ``failures[strategy]`` and the loop goes on.
+    """
+    results: list = []
+    failures: dict[str, str] = {}
+    for strategy in strategies:
+        args.strategy = strategy
+        try:
+            results.append(run())
+        except Exception as exc:
+            failures[strategy] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            if dist.get_rank() == 0:
+                print(f"{strategy} failed: {failures[strategy]}", flush=True)
+    return results, failures
 
 
 def fmt(value, spec: str) -> str:

@@ -34,7 +34,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import LiteGenRunner, fmt, make_batch, measure, parser, print_table, release, setup
+from bench_dit import (
+    LiteGenRunner,
+    fmt,
+    for_each_strategy,
+    make_batch,
+    measure,
+    parser,
+    print_table,
+    release,
+    setup,
+)
 from dit_model import DiTConfig
 
 from litegen.runtime.distributed import DistEnv
@@ -105,16 +115,9 @@ def bench(args: Namespace) -> int:
     if args.loss_batch % world:
         raise SystemExit(f"--loss-batch {args.loss_batch} must be a multiple of {world} ranks")
     strategies = args.strategies or (HSDP_STRATEGIES if args.hsdp else STRATEGIES)
-    rows: list[dict] = []
-    failures: dict[str, str] = {}
-    for strategy in strategies:
-        args.strategy = strategy
-        try:
-            rows.append(run_strategy(args, cfg, tokens, device, world))
-        except Exception as exc:  # one strategy failing must not hide the others' figures
-            failures[strategy] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            if dist.get_rank() == 0:
-                print(f"{strategy} failed: {failures[strategy]}", flush=True)
+    rows, failures = for_each_strategy(
+        args, strategies, lambda: run_strategy(args, cfg, tokens, device, world)
+    )
     reference = next((r["losses"] for r in rows if r["strategy"] == "ddp"), None)
     for row in rows:
         row["loss_max_rel_vs_ddp"] = max_rel_diff(row["losses"], reference) if reference else None

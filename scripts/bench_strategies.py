@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import compare, parser, print_table, setup
+from bench_dit import compare, for_each_strategy, parser, print_table, setup
 from bench_profile import print_profiles
 
 HAND_WRITTEN = ("ddp", "zero1", "fsdp1", "fsdp2")
@@ -36,16 +36,10 @@ def main() -> None:
         p.error("no CUDA device; use --device cpu --tiny for a smoke run")
     cfg, tokens, device = setup(args)
     world = dist.get_world_size()
-    rows: list[dict] = []
-    failures: dict[str, str] = {}
-    for strategy in args.strategies:
-        args.strategy = strategy
-        try:
-            rows.extend(compare(args, cfg, tokens, device, world))
-        except Exception as exc:  # one strategy failing must not hide the others' figures
-            failures[strategy] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            if dist.get_rank() == 0:
-                print(f"{strategy} failed: {failures[strategy]}", flush=True)
+    pairs, failures = for_each_strategy(
+        args, args.strategies, lambda: compare(args, cfg, tokens, device, world)
+    )
+    rows = [row for pair in pairs for row in pair]
     if dist.get_rank() == 0:
         if args.out:
             result = {
