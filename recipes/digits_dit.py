@@ -125,22 +125,33 @@ def make_optimizer(model: nn.Module, config) -> tuple[torch.optim.Optimizer, obj
     return optimizer, scheduler
 
 
+def make_dit(config, channels: int = 1, image_size: int = 8) -> DiT:
+    """The digits DiT sized by the recipe's ``model`` section."""
+    sizes = {k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")}
+    return DiT(**sizes, channels=channels, image_size=image_size)
+
+
 def build(config):
     """Everything to prepare: the model, its optimizer and the data set."""
-    model = DiT(**{k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")})
+    model = make_dit(config)
     optimizer, scheduler = make_optimizer(model, config)
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "dataset": Digits()}
 
 
-def train_step(batch, model, config):
-    """Rectified-flow loss of one micro-batch, with labels dropped for guidance."""
-    images, labels = batch
+def flow_loss(model: nn.Module, x0: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    """Rectified-flow loss on clean inputs ``x0``, with labels dropped for guidance."""
     drop = torch.rand(labels.shape, device=labels.device) < config.model.class_dropout
     labels = torch.where(drop, torch.full_like(labels, NUM_CLASSES), labels)
-    t = torch.rand(images.shape[0], device=images.device)
-    noise = torch.randn_like(images)
-    x_t = (1 - t[:, None, None, None]) * images + t[:, None, None, None] * noise
-    return torch.nn.functional.mse_loss(model(x_t, t, labels), noise - images)
+    t = torch.rand(x0.shape[0], device=x0.device)
+    noise = torch.randn_like(x0)
+    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
+    return nn.functional.mse_loss(model(x_t, t, labels), noise - x0)
+
+
+def train_step(batch, model, config):
+    """Rectified-flow loss of one micro-batch of images."""
+    images, labels = batch
+    return flow_loss(model, images, labels, config)
 
 
 @torch.no_grad()
@@ -170,9 +181,7 @@ def finish(model, gen, config):
     ema_state = gen.full_sampling_state()  # collective: every rank calls it
     if not gen.is_main_process:
         return
-    sampler = DiT(
-        **{k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")}
-    )
+    sampler = make_dit(config)
     sampler.load_state_dict(ema_state)
     sampler.eval()
     per_class = config.sampling.per_class

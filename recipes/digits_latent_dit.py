@@ -28,8 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from digits_autoencoder import DigitsAutoencoder
-from digits_dit import NUM_CLASSES, Digits, DiT, make_optimizer, sample, save_grid
-from torch import nn
+from digits_dit import NUM_CLASSES, Digits, flow_loss, make_dit, make_optimizer, sample, save_grid
 
 from litegen.cache import TensorCache, fingerprint
 from litegen.utils.encode import vae_encode
@@ -214,13 +213,6 @@ class CachedLatents:
             )
 
 
-def make_dit(config, latent_shape: tuple[int, int, int]) -> DiT:
-    """The digits DiT sized by the recipe's ``model`` section, for latents of this shape."""
-    sizes = {k: config.model[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")}
-    channels, size, _ = latent_shape
-    return DiT(**sizes, channels=channels, image_size=size)
-
-
 def build(config):
     """The DiT, its optimizer, the digit indices and the cached latents they map to."""
     codec = load_codec(config)
@@ -235,7 +227,7 @@ def build(config):
         )
         latents.log_path.parent.mkdir(parents=True, exist_ok=True)
         latents.log_path.unlink(missing_ok=True)  # this run's epochs only
-    model = make_dit(config, latents.codec.latent_shape)
+    model = make_dit(config, *latents.codec.latent_shape[:2])
     optimizer, scheduler = make_optimizer(model, config)
     return {
         "model": model,
@@ -249,13 +241,7 @@ def build(config):
 def train_step(batch, model, latents, config, step):
     """Rectified-flow loss on the cached latents of one micro-batch, labels dropped for guidance."""
     indices, labels = batch
-    x0 = latents.lookup(indices, step).to(labels.device)
-    drop = torch.rand(labels.shape, device=labels.device) < config.model.class_dropout
-    labels = torch.where(drop, torch.full_like(labels, NUM_CLASSES), labels)
-    t = torch.rand(x0.shape[0], device=x0.device)
-    noise = torch.randn_like(x0)
-    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
-    return nn.functional.mse_loss(model(x_t, t, labels), noise - x0)
+    return flow_loss(model, latents.lookup(indices, step).to(labels.device), labels, config)
 
 
 @torch.no_grad()
@@ -275,7 +261,7 @@ def finish(latents, gen, config, step):
             f"({len(later_full)} epochs)",
             flush=True,
         )
-    sampler = make_dit(config, latents.codec.latent_shape)
+    sampler = make_dit(config, *latents.codec.latent_shape[:2])
     sampler.load_state_dict(ema_state)
     sampler.eval()
     per_class = config.sampling.per_class

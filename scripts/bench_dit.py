@@ -24,7 +24,6 @@ live in ``bench_profile.py``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_profile import attention_sweep, print_profiles, profile_summary
-from dit_model import DiT, DiTConfig, sample_batch, sync
+from dit_model import DiT, DiTConfig, release, sample_batch, sync
 
 import litegen
 from litegen.flops import FlopCounter, peak_flops
@@ -249,13 +248,6 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
         "ema_ms": ema_ms,
         "profile": profile,
     }
-
-
-def release(device: torch.device) -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def compare(args, cfg: DiTConfig, tokens: int, device: torch.device, world: int) -> list[dict]:

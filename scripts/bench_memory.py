@@ -23,7 +23,6 @@ bisecting to ``--seq-step`` tokens.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dit_model import DiT, DiTConfig, sample_batch, sync
+from dit_model import DiT, DiTConfig, release, sample_batch, sync
 
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, select_evenly
@@ -93,7 +92,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
                 CompileConfig(enabled=True, dynamic=False),
                 memory_budget=report.memory_budget,
             )
-    elif enabled:
+    elif enabled and budget is None:  # a budget case by hand is only the global config
         names = [f"blocks.{i}" for i in range(cfg.depth)]
         model.hand_checkpoint = {int(n.split(".")[1]) for n in select_evenly(names, ratio)}
         model.hand_context_fn = POLICY_CONTEXTS[policy]
@@ -164,15 +163,8 @@ def _measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -
         ),
     }
     del model, optimizer, offloader
-    torch._dynamo.reset()
     release(device)
     return row
-
-
-def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -215,7 +207,7 @@ def fits(cfg: DiTConfig, case: str, tokens: int, device: torch.device, model, op
         optimizer.zero_grad(set_to_none=True)
         return False
     finally:
-        release(device)
+        release(device, reset_compile=False)
 
 
 def longest_sequence(args, cfg: DiTConfig, case: str, device: torch.device) -> dict:
@@ -235,7 +227,7 @@ def longest_sequence(args, cfg: DiTConfig, case: str, device: torch.device) -> d
         print(f"  {case}: {mid} tokens ...", flush=True)
         good, bad = (mid, bad) if fits(cfg, case, mid, device, model, optimizer) else (good, mid)
     del model, optimizer
-    release(device)
+    release(device, reset_compile=False)
     return {"case": case, "max_tokens": good, "capped": bad is None}
 
 

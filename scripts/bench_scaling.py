@@ -72,9 +72,8 @@ def loss_curve(
         batch = tuple(v[part].to(device) for v in (x, t, y))
         loss = runner.trainer.run_step(iter([batch])).loss.detach().float().clone()
         # The trainer reports this rank's loss; the mean over equal slices is the global loss.
-        # SUM then divide: gloo has no AVG.
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        losses.append(loss.item() / world)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
     return losses
 
 

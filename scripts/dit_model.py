@@ -7,7 +7,7 @@ block detection and FSDP plans find them.
 
 ``hand_checkpoint`` lets a benchmark run the same model with ``torch.utils.checkpoint`` applied
 by hand in ``forward``, the reference LiteGen's checkpointing is compared against. ``sync``
-is the benchmarks' barrier around timed steps.
+is the benchmarks' barrier around timed steps, ``release`` their clean-up between cases.
 
 Example:
     >>> model = DiT(DiTConfig.tiny())
@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -131,6 +132,15 @@ class DiT(nn.Module):
                 x = block(x, c)
         shift, scale = self.final_modulation(c).chunk(2, dim=-1)
         return self.final_linear(modulate(self.final_norm(x), shift, scale))
+
+
+def release(device: torch.device, reset_compile: bool = True) -> None:
+    """Free what a finished benchmark case left behind: compiled graphs, garbage, cached blocks."""
+    if reset_compile:
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:

@@ -13,9 +13,18 @@ import torch
 
 from tests.distributed.models import PairDataset, loss_fn, make_model
 
+# Every block checkpointed, and its saved inputs offloaded.
+CHECKPOINT_AND_OFFLOAD = {
+    "activation_checkpoint": {"enabled": True, "selective_ratio": 0.0},
+    "activation_offload": True,
+}
+
 
 def train_tiny(fields: dict[str, Any]):
-    """Returns ``(gen, model, losses)``; ``fields`` are MainConfig fields over test defaults."""
+    """Returns ``(gen, model, losses)``; ``fields`` are MainConfig fields over test defaults.
+
+    ``fields["trainer"]`` is merged into the default trainer section, not put in its place.
+    """
     import litegen
     from litegen.trainer import Trainer
     from litegen.utils.config import MainConfig
@@ -28,7 +37,8 @@ def train_tiny(fields: dict[str, Any]):
             "global_batch_size": 8,
             "trainer": {"log_every": 1, "save_final": False},
         }
-        config = MainConfig.from_dict(defaults | fields)
+        trainer = defaults["trainer"] | fields.get("trainer", {})
+        config = MainConfig.from_dict(defaults | fields | {"trainer": trainer})
         gen = litegen.initialize(config)
         model = make_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -40,5 +50,5 @@ def train_tiny(fields: dict[str, Any]):
 
 def full_weights(gen, model) -> dict[str, torch.Tensor]:
     """The whole model on CPU, copied (on a CPU run the state may alias the parameters)."""
-    state = gen.models[0].strategy.full_model_state(model)
+    state = gen.full_model_state(model)
     return {name: value.detach().cpu().clone() for name, value in state.items()}

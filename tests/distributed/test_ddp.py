@@ -16,7 +16,7 @@ def train(overrides: dict) -> dict:
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ddp_two_ranks_match_one_process(accum):
-    overrides = {"trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": accum}}
+    overrides = {"trainer": {"grad_accum_steps": accum}}
     (single,) = run_ranks(train, 1, overrides)
     ranks = run_ranks(train, 2, overrides)
     assert len(single["losses"]) == 12

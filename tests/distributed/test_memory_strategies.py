@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.runs import full_weights, train_tiny
+from tests.distributed.runs import CHECKPOINT_AND_OFFLOAD, full_weights, train_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def train(strategy: str, memory: dict) -> dict:
     gen, model, losses = train_tiny(
         {
             "max_steps": 6,
-            "trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": 2},
+            "trainer": {"grad_accum_steps": 2},
             "optimization": {"parallel": {"strategy": strategy}, "memory": memory},
         }
     )
@@ -28,12 +28,6 @@ def train(strategy: str, memory: dict) -> dict:
         "checkpointed": len(report.checkpointed),
         "offloaded": report.offloader.stats.tensors_offloaded if report.offloader else 0,
     }
-
-
-CHECKPOINT_AND_OFFLOAD = {
-    "activation_checkpoint": {"enabled": True, "selective_ratio": 0.0},
-    "activation_offload": True,
-}
 
 
 @pytest.mark.parametrize(

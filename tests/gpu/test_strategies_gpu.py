@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.runs import full_weights, train_tiny
+from tests.distributed.runs import CHECKPOINT_AND_OFFLOAD, full_weights, train_tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +21,6 @@ pytestmark = [
 ]
 
 STEPS = 20
-CHECKPOINT_AND_OFFLOAD = {
-    "activation_checkpoint": {"enabled": True, "selective_ratio": 0.0},
-    "activation_offload": True,
-}
 
 
 def train(strategy: str, accum: int, offload: bool = False) -> dict:
@@ -35,7 +31,7 @@ def train(strategy: str, accum: int, offload: bool = False) -> dict:
         {
             "runtime": {"device": "cuda"},
             "max_steps": STEPS,
-            "trainer": {"log_every": 1, "save_final": False, "grad_accum_steps": accum},
+            "trainer": {"grad_accum_steps": accum},
             "optimization": optimization,
         }
     )

@@ -7,6 +7,7 @@ the same format as ``MainConfig`` uses.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.util
 import os
@@ -251,11 +252,12 @@ def recipe_from_data(
     overrides: list[str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Recipe:
-    """:func:`load_recipe` for a recipe already read into ``data``, which it changes in place.
+    """:func:`load_recipe` for a recipe already read into ``data`` (left unchanged).
 
     ``path`` (absolute) is where the recipe came from: relative entry paths resolve against
     its folder unless ``launch.recipe_dir`` says otherwise.
     """
+    data = copy.deepcopy(data)  # the overrides and launch defaults below write into it
     problems = apply_overrides(data, list(overrides or []))
 
     raw_launch = data.get("launch", {})

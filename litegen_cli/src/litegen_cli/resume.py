@@ -8,7 +8,6 @@ launched exactly like ``litegen launch`` does. torch is imported only by :func:`
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +58,9 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
     before = {"launch": dict(launch or {}), **saved}
     data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
-    # recipe_from_data changes its data in place, and `before` shares sections with `data`.
     path = step_dir / "config.yaml"
     try:
-        recipe = recipe_from_data(copy.deepcopy(data), path, overrides)
+        recipe = recipe_from_data(data, path, overrides)
     except RecipeError as err:
         if not launch:
             err.problems.append(
@@ -71,7 +69,7 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
             )
         raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
     try:  # the saved run with defaults filled in, to compare the overrides against
-        base = recipe_from_data(copy.deepcopy(data), path, []).resolved_dict()
+        base = recipe_from_data(data, path, []).resolved_dict()
     except RecipeError:  # e.g. launch.entry only comes from the overrides
         base = before
     return recipe, changed_fields(base, recipe.resolved_dict())

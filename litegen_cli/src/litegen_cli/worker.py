@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from litegen.runtime.distributed import DistEnv
 from litegen_cli.recipe import load_recipe
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         raise SystemExit("usage: python -m litegen_cli.worker RESOLVED_RECIPE")
     recipe = load_recipe(Path(args[0]))
-    _configure_logging(int(os.environ.get("RANK", "0")))
+    _configure_logging(DistEnv.from_environ().rank)
 
     from litegen.trainer import run_entry
 

@@ -73,6 +73,25 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+class BufferMirror:
+    """Copies of a model's buffers, refreshed at every EMA update (buffers are not averaged).
+
+    Example:
+        >>> mirror = BufferMirror(model); mirror.refresh(); mirror.copies["norm.running_mean"]
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        named = list(model.named_buffers())
+        self.copies = {name: b.detach().clone() for name, b in named}
+        # Resolved once: walking the module tree at every update costs more than the copies.
+        self._pairs = [(self.copies[name], b) for name, b in named]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for mine, theirs in self._pairs:
+            mine.copy_(theirs)
+
+
 class EMA:
     """An FP32 moving average of ``model``'s parameters, sharded like the strategy's layout.
 
@@ -105,9 +124,8 @@ class EMA:
                 local, slot_mesh, placements = (lambda t: t), None, ()
             ema = local(param.detach()).float().clone()
             self.slots.append(_Slot(name, param, local, ema, slot_mesh, placements))
-        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        # Resolved once: walking the module tree at every update costs more than the copies.
-        self._buffer_pairs = [(self.buffers[n], b) for n, b in model.named_buffers()]
+        self.mirror = BufferMirror(model)
+        self.buffers = self.mirror.copies
 
     def _source(self, slot: _Slot) -> torch.Tensor:
         """The current value of the slot's piece: the FP32 master when the optimizer has one."""
@@ -129,8 +147,7 @@ class EMA:
         """``ema = decay * ema + (1 - decay) * weights`` over all local shards at once."""
         sources = [self._source(s).float() for s in self.slots]
         torch._foreach_lerp_([s.ema for s in self.slots], sources, 1.0 - decay)
-        for mine, theirs in self._buffer_pairs:
-            mine.copy_(theirs)
+        self.mirror.refresh()
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

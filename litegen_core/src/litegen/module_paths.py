@@ -24,3 +24,13 @@ def submodules_at(model: nn.Module, paths: Iterable[str], field: str) -> dict[st
             f"{[n for n in modules if n][:4]}."
         )
     return {p: modules[p] for p in paths}
+
+
+def is_under(name: str, paths: Iterable[str]) -> bool:
+    """Whether the module ``name`` is one of ``paths`` or lies inside one of them.
+
+    Example:
+        >>> is_under("blocks.0.mlp", ["blocks.0"]), is_under("blocks.10", ["blocks.1"])
+        (True, False)
+    """
+    return any(name == p or name.startswith(p + ".") for p in paths)

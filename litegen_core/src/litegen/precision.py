@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from litegen.module_paths import submodules_at
+from litegen.module_paths import is_under, submodules_at
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -26,13 +26,8 @@ def cast_model(model: nn.Module, dtype: str, exclude_paths: Iterable[str] = ()) 
     excluded = list(
         submodules_at(model, exclude_paths, "optimization.precision.cast_exclude_paths")
     )
-    modules = dict(model.named_modules())
-
-    def skipped(name: str) -> bool:
-        return any(name == p or name.startswith(p + ".") for p in excluded)
-
-    for name, module in modules.items():
-        if skipped(name):
+    for name, module in model.named_modules():
+        if is_under(name, excluded):
             continue
         for tensors in (module._parameters, module._buffers):
             for key, tensor in tensors.items():

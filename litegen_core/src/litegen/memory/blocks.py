@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from litegen.module_paths import is_under
+
 
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Dotted paths of the model's repeated blocks, in forward (registration) order.
@@ -31,7 +33,7 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     found: list[str] = []
     claimed: set[str] = set()
     for name, module in model.named_modules():
-        if any(name == c or name.startswith(c + ".") for c in claimed):
+        if is_under(name, claimed):
             continue  # blocks nested inside a block already chosen are covered by it
         if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue

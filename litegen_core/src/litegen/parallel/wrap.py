@@ -18,14 +18,9 @@ from typing import Any
 from torch import nn
 
 from litegen.memory.blocks import repeated_blocks
-from litegen.module_paths import submodules_at
+from litegen.module_paths import is_under, submodules_at
 
 _FIELD = "optimization.parallel.fsdp2"
-
-
-def _inside(name: str, paths: list[str]) -> bool:
-    """``name`` is one of ``paths`` or lies under one of them."""
-    return any(name == p or name.startswith(p + ".") for p in paths)
 
 
 def _named_modules_post_order(
@@ -101,11 +96,11 @@ def plan_size_based(model: nn.Module, cfg: Any) -> list[str]:
     excluded = list(cfg.exclude_paths)
     claimed: set[int] = set()
     for name, module in model.named_modules():
-        if _inside(name, excluded):
+        if is_under(name, excluded):
             claimed.update(id(p) for p in module.parameters())  # excluded: never counted
     found: list[str] = []
     for name, module in _named_modules_post_order(model):
-        if not name or _inside(name, excluded):
+        if not name or is_under(name, excluded):
             continue
         own = {id(p): p.numel() for p in module.parameters() if id(p) not in claimed}
         if own and sum(own.values()) >= cfg.min_num_params:
@@ -194,7 +189,7 @@ def plan_units(model: nn.Module, cfg: Any) -> list[str]:
     """
     excluded = excluded_modules(model, cfg)
     found = PLANS[cfg.wrap_strategy](model, cfg)
-    inside_excluded = [p for p in found if _inside(p, excluded)]
+    inside_excluded = [p for p in found if is_under(p, excluded)]
     if inside_excluded and cfg.wrap_strategy == "manual":
         raise ValueError(
             f"{_FIELD}.wrap_paths {inside_excluded} lie inside exclude_paths {excluded}; a "
@@ -204,13 +199,13 @@ def plan_units(model: nn.Module, cfg: Any) -> list[str]:
 
     def has_params(path: str) -> bool:
         return any(
-            not _inside(f"{path}.{n}", excluded) for n, _ in modules[path].named_parameters()
+            not is_under(f"{path}.{n}", excluded) for n, _ in modules[path].named_parameters()
         )
 
     keep = {
         p
         for p in found
-        if not _inside(p, excluded) and (cfg.allow_empty_param_unit_sharding or has_params(p))
+        if not is_under(p, excluded) and (cfg.allow_empty_param_unit_sharding or has_params(p))
     }
     if not keep:
         raise ValueError(

@@ -101,7 +101,7 @@ class _Partition:
             apply_backend(optimizer, opt_settings)  # ZeRO copies the user's group flags
             self.stepper = self._native_optimizer(optimizer, settings.parameter_sync)
             self.local = self.stepper.optim
-            if opt_settings.fp32_master_weights:
+            if opt_settings.fp32_master_weights and strategy.master_weights:
                 enable_master_weights(self.local)
         else:
             self.stepper = self.local = optimizer
@@ -112,7 +112,7 @@ class _Partition:
         # last (it clears gradients after the master-weight hook restored them).
         self.stepper.register_step_pre_hook(lambda *_: self.before_step())
         if not self.native:
-            configure_optimizer(optimizer, opt_settings)
+            configure_optimizer(optimizer, opt_settings, master_weights=strategy.master_weights)
         self.stepper.register_step_post_hook(lambda *_: self.after_step())
         self._patch_zero_grad(self.stepper)
         if previous is not None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from litegen.ema import BufferMirror
 from litegen.parallel.buckets import Bucket
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,9 +36,8 @@ class BucketEMA:
         self.replicated = {name: p for name, p in model.named_parameters() if id(p) not in covered}
         self.shards = [self._source(b).float().clone() for b in buckets]
         self.whole = {name: p.detach().float().clone() for name, p in self.replicated.items()}
-        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        # Resolved once: walking the module tree at every update costs more than the copies.
-        self._buffer_pairs = [(self.buffers[n], b) for n, b in model.named_buffers()]
+        self.mirror = BufferMirror(model)
+        self.buffers = self.mirror.copies
 
     def _source(self, bucket: Bucket) -> torch.Tensor:
         state = self.optimizer.state.get(bucket.shard)
@@ -50,8 +50,7 @@ class BucketEMA:
         sources = [self._source(b).float() for b in self.buckets]
         sources += [p.detach().float() for p in self.replicated.values()]
         torch._foreach_lerp_(targets, sources, 1.0 - decay)
-        for mine, theirs in self._buffer_pairs:
-            mine.copy_(theirs)
+        self.mirror.refresh()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -181,7 +181,7 @@ class MainConfig(Config):
         except ImportError:
             raise ImportError(
                 "MainConfig.from_omegaconf needs the optional 'omegaconf' package: "
-                "pip install omegaconf (or: uv sync --extra omegaconf)"
+                "pip install omegaconf (or: uv sync --extra omegaconf --all-packages)"
             ) from None
         data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
         return cls.from_dict(data)  # type: ignore[arg-type]
