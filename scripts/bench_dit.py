@@ -130,7 +130,9 @@ def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_mode: 
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, mode=compile_mode, dynamic=False)
     fused = device.type == "cuda"
-    if strategy in ("ddp", "zero1"):
+    if strategy == "ddp" and dist.get_world_size() == 1:
+        model.to(device)  # one GPU: a user writes no wrapper (DDP would only copy gradients)
+    elif strategy in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(
@@ -234,7 +236,11 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
             sync(device)
             ema_times.append(time.perf_counter() - start)
         ema_ms = statistics.median(ema_times) * 1e3
-    profile = profile_summary(runner, batch, device) if args.profile else None
+    trace = None
+    if args.trace and dist.get_rank() == 0:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        trace = args.trace / f"{args.workload}_{args.strategy}_{name}.json.gz"
+    profile = profile_summary(runner, batch, device, keep_trace=trace) if args.profile else None
     return {
         "impl": name,
         "step_ms": step_s * 1e3,
@@ -332,6 +338,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke)")
     p.add_argument("--out", type=Path, help="write the results as JSON here (rank 0)")
     p.add_argument("--profile", action="store_true", help="per-step kernel time by category")
+    p.add_argument(
+        "--trace", type=Path, help="with --profile: keep rank 0's kernel traces in this folder"
+    )
     return p
 
 

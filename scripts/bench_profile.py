@@ -16,6 +16,7 @@ workload's shape and names the kernel torch picks by default.
 
 from __future__ import annotations
 
+import gzip
 import json
 import tempfile
 import time
@@ -116,13 +117,17 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_summary(runner, batch, device: torch.device, steps: int = 3) -> dict:
+def profile_summary(
+    runner, batch, device: torch.device, steps: int = 3, keep_trace: Path | None = None
+) -> dict:
     """Where one step's time goes, from a CUDA kernel trace of ``steps`` steps (ms per step).
 
     Categories add kernel busy time (communication runs on its own stream, so it can overlap
     the rest); ``exposed_communication`` is communication time with no compute kernel running,
     and ``idle`` is step time with no kernel running at all (host overhead, waits). On CPU
     (smoke runs) the "kernels" are nested CPU ops, so the categories overcount.
+    ``keep_trace`` also writes the trace there, gzipped, for a closer look (kernel by kernel,
+    gaps on the timeline) in Perfetto or a script.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -136,7 +141,10 @@ def profile_summary(runner, batch, device: torch.device, steps: int = 3) -> dict
         wall_us = (time.perf_counter() - start) * 1e6
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+        text = Path(trace.name).read_text()
+    if keep_trace is not None:
+        keep_trace.write_bytes(gzip.compress(text.encode()))
+    events = json.loads(text)["traceEvents"]
     kind = "kernel" if cuda else "cpu_op"
     kernels = [e for e in events if e.get("cat") == kind and "dur" in e]
     busy: dict[str, float] = {}

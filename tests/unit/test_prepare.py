@@ -33,7 +33,7 @@ def test_results_come_back_in_argument_order_with_models_first(tmp_path):
     # The optimizer comes before its model: prepare still wraps the model first.
     out_opt, loader, out_frozen, out_model = gen.prepare(optimizer, pairs(), frozen, model)
     assert isinstance(loader, torch.utils.data.DataLoader)
-    assert isinstance(out_model, nn.parallel.DistributedDataParallel)
+    assert out_model is model  # ddp on one rank: nothing to all-reduce, so no DDP wrapper
     assert gen.unwrap(out_model) is model and out_opt is optimizer
     assert out_frozen is frozen and not frozen.training
     assert {id(p) for p in out_opt.param_groups[0]["params"]} == {id(p) for p in model.parameters()}

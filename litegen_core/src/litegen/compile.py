@@ -30,6 +30,14 @@ counts) calls cheapest. 0 saves the least it can, 1 what it saves by default. Th
 set around each call of a compiled block, where that split happens, rather than process-wide,
 so code outside LiteGen's blocks compiles as usual.
 
+DDP: under ``DistributedDataParallel`` Dynamo's DDPOptimizer splits every compiled graph at
+gradient-bucket boundaries (25 MB), so that all-reduces can start while the rest of the graph's
+backward runs. A DiT block holds about 4 buckets of parameters, so each block would become 4
+graphs: no fusion across the cuts, the block input's gradient summed eagerly, and more kernel
+launches. Compiled *blocks* need no split, since each block's backward is its own autograd node
+and DDP already all-reduces block by block while the next block's backward runs. So LiteGen's
+blocks compile with ``optimize_ddp`` off, again set around each call rather than process-wide.
+
 Example:
     >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))
     ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
@@ -65,12 +73,13 @@ class _CompiledForward:
         self.memory_budget = memory_budget
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.memory_budget is None:
-            return self.compiled(*args, **kwargs)
-        # Read when AOTAutograd partitions the block, which happens inside this call on its
-        # first run and on every recompile.
-        with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
-            return self.compiled(*args, **kwargs)
+        # Both settings are read while Dynamo and AOTAutograd compile the block, which happens
+        # inside this call on its first run and on every recompile (module docstring).
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            if self.memory_budget is None:
+                return self.compiled(*args, **kwargs)
+            with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
+                return self.compiled(*args, **kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -1,4 +1,9 @@
-"""DDP: every rank holds the whole model and optimizer; gradients are all-reduced in buckets."""
+"""DDP: every rank holds the whole model and optimizer; gradients are all-reduced in buckets.
+
+On a single rank there is nothing to all-reduce, and DDP would only copy every gradient into
+its buckets (scaled by 1/world size) each step, so the model is left unwrapped there, as
+Lightning's single-device strategy does.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ class DDPStrategy(Strategy):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.plan.device)
+        if self.plan.world_size == 1:
+            return model
         device_ids = [self.plan.device] if self.plan.device.type == "cuda" else None
         # Bucket views save one gradient copy; DDP broadcasts rank 0's weights at wrap time.
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
@@ -25,4 +32,6 @@ class DDPStrategy(Strategy):
         return model.module if isinstance(model, DistributedDataParallel) else model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return model.no_sync()
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return super().no_sync(model)

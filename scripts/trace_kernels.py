@@ -1,0 +1,81 @@
+"""Kernel by kernel: what a trace kept by ``bench_dit.py --profile --trace DIR`` spent its time on.
+
+``--profile`` sums kernel time by category; this reads one kept trace and names the kernels
+behind the sums (the heaviest, in ms per step and calls per step) and the gaps between them
+(time with no compute kernel running, by length, and the longest with their neighbours):
+
+    torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --compile --profile --trace traces
+    python scripts/trace_kernels.py traces/C_ddp_litegen.json.gz --top 30
+
+Communication kernels (NCCL) run on their own stream, so they are listed but left out of the gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+
+GAP_BINS_US = (5, 20, 100, 1000, float("inf"))
+
+
+def load_kernels(path: Path) -> list[dict]:
+    """The GPU kernel events of a Chrome trace (plain or gzipped JSON), in start order."""
+    raw = path.read_bytes()
+    events = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
+def heaviest(kernels: list[dict], steps: int, top: int) -> list[tuple[float, int, str]]:
+    """(ms per step, calls per step, name) of the ``top`` kernels by total time."""
+    busy: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    for e in kernels:
+        busy[e["name"]] += e["dur"]
+        calls[e["name"]] += 1
+    return [(us / steps / 1e3, calls[n] // steps, n) for n, us in busy.most_common(top)]
+
+
+def gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
+    """(µs, kernel before, kernel after) for every stretch with no compute kernel running."""
+    compute = [e for e in kernels if "nccl" not in e["name"].lower()]
+    found = []
+    last = compute[0]
+    end = last["ts"] + last["dur"]
+    for e in compute[1:]:
+        if e["ts"] > end:
+            found.append((e["ts"] - end, last["name"], e["name"]))
+        if e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", type=Path)
+    p.add_argument("--steps", type=int, default=3, help="steps in the trace (--profile: 3)")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    kernels = load_kernels(args.trace)
+    if not kernels:
+        raise SystemExit(f"{args.trace} holds no GPU kernels (a --device cpu run?)")
+    busy = sum(e["dur"] for e in kernels) / args.steps / 1e3
+    print(f"{len(kernels) // args.steps} kernels, {busy:.1f} ms busy per step")
+    for ms, calls, name in heaviest(kernels, args.steps, args.top):
+        print(f"{ms:8.2f} ms {calls:5d}x  {name[:110]}")
+    found = gaps(kernels)
+    by_bin = Counter(next(b for b in GAP_BINS_US if us < b) for us, *_ in found)
+    bins = "  ".join(
+        f"<{b:g} us: {by_bin[b] / args.steps:.0f}" for b in GAP_BINS_US if b != float("inf")
+    )
+    total = sum(us for us, *_ in found) / args.steps / 1e3
+    print(f"\ngaps: {total:.2f} ms per step; count per step by length: {bins}")
+    for us, before, after in sorted(found, reverse=True)[:8]:
+        print(f"{us / 1e3:6.2f} ms  {before[:55]} -> {after[:55]}")
+
+
+if __name__ == "__main__":
+    main()
