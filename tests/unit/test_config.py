@@ -358,7 +358,11 @@ def test_defaults_of_every_field() -> None:
                 },
                 "activation_offload": False,
             },
-            "kernels": {"fused_layernorm": False, "attention_backend": "auto"},
+            "kernels": {
+                "fused_layernorm": False,
+                "fused_gelu_mlp": False,
+                "attention_backend": "auto",
+            },
             "profiles": {},
         },
         "lr": 1.0e-4,

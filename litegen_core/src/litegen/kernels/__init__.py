@@ -1,11 +1,13 @@
 """Optional fused kernels, swapped into a model in place.
 
-from litegen.kernels import apply_fused_layernorm
+from litegen.kernels import apply_fused_gelu_mlp, apply_fused_layernorm
 
 swapped = apply_fused_layernorm(model)  # 0, with a warning, when Apex is not installed
+fused = apply_fused_gelu_mlp(model)  # MLPs whose GELU now runs in cuBLASLt's GEMM epilogues
 """
 
 from litegen.kernels.attention import attention_context
+from litegen.kernels.gelu_mlp import apply_fused_gelu_mlp
 from litegen.kernels.layernorm import apply_fused_layernorm
 
-__all__ = ["apply_fused_layernorm", "attention_context"]
+__all__ = ["apply_fused_gelu_mlp", "apply_fused_layernorm", "attention_context"]

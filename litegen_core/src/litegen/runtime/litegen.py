@@ -157,6 +157,17 @@ class LiteGen(CheckpointAPI):
             from litegen.kernels import apply_fused_layernorm
 
             apply_fused_layernorm(model)
+        if optimization.kernels.fused_gelu_mlp:
+            from litegen.kernels import apply_fused_gelu_mlp
+
+            fused = apply_fused_gelu_mlp(model)
+            log.info("%s: %d GELU MLPs fused", type(model).__name__, fused)
+            if not fused:
+                log.warning(
+                    "optimization.kernels.fused_gelu_mlp: %s has no Linear-GELU(tanh)-Linear MLP "
+                    "(nn.Sequential or timm Mlp, with biases); nothing was fused.",
+                    type(model).__name__,
+                )
         if is_trainable(model):
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():

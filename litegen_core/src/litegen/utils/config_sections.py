@@ -147,6 +147,9 @@ class KernelsConfig(Section):
     """Kernel replacements (``optimization.kernels``)."""
 
     fused_layernorm: bool = False
+    fused_gelu_mlp: bool = False
+    """Linear-GELU(tanh)-Linear MLPs with the GELU in cuBLASLt's GEMM epilogues
+    (see ``litegen.kernels.gelu_mlp``)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = "auto"
     """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
 

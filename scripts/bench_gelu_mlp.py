@@ -1,0 +1,69 @@
+"""The fused GELU MLP's two GEMMs against torch's kernels, at a DiT's MLP shape, on one GPU.
+
+What ``optimization.kernels.fused_gelu_mlp`` changes in a step, measured alone (bf16, 3 warm-up
+and 20 timed calls, ms per call): the first linear layer plus GELU (forward), and the second
+layer's input gradient plus the GELU gradient and the first layer's bias gradient (backward).
+Defaults are workloads A and C's MLP (32768 tokens, 1152 -> 4608 -> 1152):
+
+    python3 scripts/bench_gelu_mlp.py
+    python3 scripts/bench_gelu_mlp.py --tokens 8192 --hidden 1536
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from litegen.kernels.cublaslt import dgelu, gelu_aux_bias
+
+
+def ms_per_call(fn: Callable[[], object], calls: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=1152)
+    p.add_argument("--mlp-ratio", type=int, default=4)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (cuBLASLt)")
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+    n, d, inner = args.tokens, args.hidden, args.hidden * args.mlp_ratio
+    x, w1, b1, w2 = randn(n, d), randn(inner, d, scale=0.03), randn(inner), randn(d, inner)
+    grad_y, pre = randn(n, d), randn(n, inner)
+
+    def torch_backward() -> None:
+        grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
+        grad_pre.sum(0)
+
+    rows = {
+        "forward, torch: addmm, then GELU": lambda: F.gelu(F.linear(x, w1, b1), approximate="tanh"),
+        "forward, the addmm alone": lambda: F.linear(x, w1, b1),
+        "forward, fused: GELU_AUX_BIAS": lambda: gelu_aux_bias(x, w1, b1),
+        "backward, torch: mm, GELU gradient, bias sum": torch_backward,
+        "backward, the mm alone": lambda: grad_y @ w2,
+        "backward, fused: DGELU, bias sum": lambda: dgelu(grad_y, w2, pre).sum(0),
+    }
+    print(f"{n} tokens, {d} -> {inner} -> {d}, bf16, {torch.cuda.get_device_name()}")
+    for name, fn in rows.items():
+        print(f"{ms_per_call(fn):8.3f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()

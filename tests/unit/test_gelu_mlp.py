@@ -1,0 +1,146 @@
+"""Fused GELU MLPs on CPU: which MLPs match, and the op's autograd, compile and FLOP plumbing.
+
+Off CUDA the op runs torch's kernels, so equality with the unfused module checks everything but
+cuBLASLt's epilogues, which ``tests/gpu/test_gelu_mlp_gpu.py`` compares on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils.flop_counter import FlopCounterMode
+
+import litegen
+from litegen.compile import compile_blocks
+from litegen.kernels import apply_fused_gelu_mlp
+from litegen.kernels.gelu_mlp import is_fused
+from litegen.utils.config import CompileConfig, MainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from dit_model import DiT, DiTConfig, sample_batch
+
+TINY = DiTConfig(hidden=32, depth=3, heads=2, num_classes=10)
+
+
+def sequential_mlp(act: nn.Module | None = None, bias: bool = True) -> nn.Sequential:
+    act = nn.GELU(approximate="tanh") if act is None else act
+    return nn.Sequential(nn.Linear(16, 64, bias=bias), act, nn.Linear(64, 16, bias=bias))
+
+
+class Mlp(nn.Module):
+    """timm's ``Mlp`` layout (what the reference DiT uses), dropout configurable."""
+
+    def __init__(self, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = (
+            nn.Linear(16, 64),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(64, 16),
+        )
+        self.drop1, self.norm, self.drop2 = nn.Dropout(drop), nn.Identity(), nn.Dropout(drop)
+
+    def forward(self, x):
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+
+
+def grads_of(model: nn.Module, x: torch.Tensor, *args) -> tuple[torch.Tensor, dict]:
+    x = x.clone().requires_grad_()
+    loss = model(x, *args).square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return x.grad, grads | {"loss": loss.detach()}
+
+
+@pytest.mark.parametrize("make", [sequential_mlp, Mlp], ids=["sequential", "timm_mlp"])
+def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
+    torch.manual_seed(0)
+    reference = make()
+    fused = copy.deepcopy(reference)
+    keys = list(fused.state_dict())
+    assert apply_fused_gelu_mlp(fused) == 1
+    assert apply_fused_gelu_mlp(fused) == 0  # already routed
+    assert list(fused.state_dict()) == keys
+    x = torch.randn(2, 5, 16)
+    ref_dx, ref_grads = grads_of(reference, x)
+    dx, grads = grads_of(fused, x)
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        sequential_mlp(nn.GELU()),  # exact GELU: cuBLASLt's epilogue is the tanh form
+        sequential_mlp(bias=False),
+        nn.Sequential(*sequential_mlp(), nn.Identity()),
+        Mlp(drop=0.1),
+    ],
+    ids=["exact_gelu", "no_bias", "four_layers", "dropout"],
+)
+def test_mlps_that_compute_something_else_are_left_alone(model):
+    assert apply_fused_gelu_mlp(model) == 0
+    assert not any(is_fused(m) for m in model.modules())
+
+
+def test_flops_are_counted_as_for_the_unfused_mlp():
+    reference = sequential_mlp()
+    fused = copy.deepcopy(reference)
+    apply_fused_gelu_mlp(fused)
+    counts = []
+    for model in (reference, fused):
+        with FlopCounterMode(display=False) as counter:
+            model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+
+def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = DiT(TINY)
+    compiled = copy.deepcopy(eager)
+    assert apply_fused_gelu_mlp(compiled) == TINY.depth
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(compiled, CompileConfig(enabled=True), backend=counter)
+    x, t = sample_batch(TINY, batch=2, tokens=16, device="cpu")
+    ref_dx, ref_grads = grads_of(eager, x, t)
+    dx, grads = grads_of(compiled, x, t)
+    assert counter.frame_count == 1  # the custom op is opaque: no graph break around it
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    torch._dynamo.reset()
+
+
+def test_under_autocast_it_computes_in_the_autocast_dtype_with_fp32_gradients():
+    fused = sequential_mlp()
+    apply_fused_gelu_mlp(fused)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = fused(torch.randn(4, 16))
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16
+    assert all(p.grad.dtype == torch.float32 for p in fused.parameters())
+
+
+def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path):
+    config = MainConfig.from_dict(
+        {
+            "results_dir": str(tmp_path),
+            "runtime": {"device": "cpu"},
+            "global_batch_size": 2,
+            "optimization": {"kernels": {"fused_gelu_mlp": True}},
+        }
+    )
+    gen = litegen.initialize(config)
+    model = DiT(TINY)
+    model = gen.prepare(model)
+    fused = [name for name, m in gen.unwrap(model).named_modules() if is_fused(m)]
+    assert fused == [f"blocks.{i}.mlp" for i in range(TINY.depth)]
