@@ -366,6 +366,8 @@ def main() -> None:
     p.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp1, fsdp2")
     p.add_argument("--attention-sweep", action="store_true")
     args = p.parse_args()
+    if args.trace and not args.profile:
+        p.error("--trace keeps the traces --profile takes; add --profile")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; use --device cpu --tiny for a smoke run")
     cfg, tokens, device = setup(args)

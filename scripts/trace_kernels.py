@@ -42,6 +42,8 @@ def heaviest(kernels: list[dict], steps: int, top: int) -> list[tuple[float, int
 def gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
     """(µs, kernel before, kernel after) for every stretch with no compute kernel running."""
     compute = [e for e in kernels if "nccl" not in e["name"].lower()]
+    if not compute:
+        return []
     found = []
     last = compute[0]
     end = last["ts"] + last["dur"]
@@ -69,7 +71,10 @@ def main() -> None:
     found = gaps(kernels)
     by_bin = Counter(next(b for b in GAP_BINS_US if us < b) for us, *_ in found)
     bins = "  ".join(
-        f"<{b:g} us: {by_bin[b] / args.steps:.0f}" for b in GAP_BINS_US if b != float("inf")
+        f"<{b:g} us: {by_bin[b] / args.steps:.0f}"
+        if b != float("inf")
+        else f">=1 ms: {by_bin[b] / args.steps:.0f}"
+        for b in GAP_BINS_US
     )
     total = sum(us for us, *_ in found) / args.steps / 1e3
     print(f"\ngaps: {total:.2f} ms per step; count per step by length: {bins}")

@@ -144,10 +144,16 @@ def test_compiled_blocks_stay_one_graph_under_ddp():
     def by_litegen(model: DiT, backend) -> None:
         compile_blocks(model, CompileConfig(enabled=True), backend=backend)
 
+    def whole_model(model: DiT, backend) -> None:
+        compile_blocks(model, CompileConfig(enabled=True), paths=[""], backend=backend)
+
     # The same blocks compiled by hand are cut into pieces (the contrast: the check can fail).
     assert graphs_under_ddp(by_hand) > 2
     torch._dynamo.reset()
     assert graphs_under_ddp(by_litegen) == 1
+    torch._dynamo.reset()
+    # A model compiled whole keeps the cuts: only they let its all-reduces overlap its backward.
+    assert graphs_under_ddp(whole_model) > 1
 
 
 def test_compiling_twice_is_a_no_op_and_uncompile_restores_eager():

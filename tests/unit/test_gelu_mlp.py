@@ -7,7 +7,9 @@ cuBLASLt's epilogues, which ``tests/gpu/test_gelu_mlp_gpu.py`` compares on the G
 from __future__ import annotations
 
 import copy
+import io
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import litegen
 from litegen.compile import compile_blocks
 from litegen.kernels import apply_fused_gelu_mlp
-from litegen.kernels.gelu_mlp import is_fused
+from litegen.kernels.mlp_fusion import is_fused
 from litegen.utils.config import CompileConfig, MainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -34,7 +36,8 @@ def sequential_mlp(act: nn.Module | None = None, bias: bool = True) -> nn.Sequen
 
 
 class Mlp(nn.Module):
-    """timm's ``Mlp`` layout (what the reference DiT uses), dropout configurable."""
+    """timm's ``Mlp`` (what the reference DiT uses), dropout configurable; timm is not installed
+    here, so the stand-in takes timm's module name, which the matcher checks."""
 
     def __init__(self, drop: float = 0.0) -> None:
         super().__init__()
@@ -47,6 +50,19 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+
+
+Mlp.__module__ = Mlp.forward.__module__ = "timm.layers.mlp"
+
+
+class OtherMlp(Mlp):
+    """Named like timm's, but with a forward of its own (a residual MLP)."""
+
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+OtherMlp.__name__ = "Mlp"
 
 
 def grads_of(model: nn.Module, x: torch.Tensor, *args) -> tuple[torch.Tensor, dict]:
@@ -65,7 +81,7 @@ def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
     fused = copy.deepcopy(reference)
     keys = list(fused.state_dict())
     assert apply_fused_gelu_mlp(fused) == 1
-    assert apply_fused_gelu_mlp(fused) == 0  # already routed
+    assert apply_fused_gelu_mlp(fused) == 1  # idempotent: the same module, routed once
     assert list(fused.state_dict()) == keys
     x = torch.randn(2, 5, 16)
     ref_dx, ref_grads = grads_of(reference, x)
@@ -75,6 +91,11 @@ def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+def with_hook(model: nn.Sequential) -> nn.Sequential:
+    model[0].register_forward_hook(lambda module, args, out: out * 2)
+    return model
+
+
 @pytest.mark.parametrize(
     "model",
     [
@@ -82,12 +103,51 @@ def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
         sequential_mlp(bias=False),
         nn.Sequential(*sequential_mlp(), nn.Identity()),
         Mlp(drop=0.1),
+        OtherMlp(),
+        with_hook(sequential_mlp()),
+        nn.Sequential(
+            nn.utils.parametrizations.weight_norm(nn.Linear(16, 64)), *sequential_mlp()[1:]
+        ),
     ],
-    ids=["exact_gelu", "no_bias", "four_layers", "dropout"],
+    ids=["exact_gelu", "no_bias", "four_layers", "dropout", "not_timm", "hook", "weight_norm"],
 )
 def test_mlps_that_compute_something_else_are_left_alone(model):
     assert apply_fused_gelu_mlp(model) == 0
     assert not any(is_fused(m) for m in model.modules())
+
+
+def test_a_fused_mlp_changed_later_runs_its_own_forward_again():
+    torch.manual_seed(0)
+    reference = sequential_mlp()
+    fused = copy.deepcopy(reference)
+    apply_fused_gelu_mlp(fused)
+    for model in (reference, fused):  # e.g. an FSDP unit or a hook arriving after prepare
+        model[0].register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(fused(x), reference(x))
+    torch.testing.assert_close(fused[:2](x), reference[:2](x))  # slicing keeps working
+
+
+@pytest.fixture
+def timm_importable(monkeypatch):
+    """``timm.layers.mlp.Mlp`` resolvable by pickle, as it is where timm is installed."""
+    for name in ("timm", "timm.layers", "timm.layers.mlp"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules["timm.layers.mlp"], "Mlp", Mlp, raising=False)
+
+
+@pytest.mark.parametrize("make", [sequential_mlp, Mlp], ids=["sequential", "timm_mlp"])
+def test_fused_mlps_survive_pickling_and_deepcopy(make, timm_importable):
+    torch.manual_seed(0)
+    model = make()
+    apply_fused_gelu_mlp(model)
+    x = torch.randn(3, 16)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert is_fused(copied) and type(copied) is type(model)
+        torch.testing.assert_close(copied(x), model(x))
 
 
 def test_flops_are_counted_as_for_the_unfused_mlp():

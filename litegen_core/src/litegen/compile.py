@@ -32,11 +32,13 @@ so code outside LiteGen's blocks compiles as usual.
 
 DDP: under ``DistributedDataParallel`` Dynamo's DDPOptimizer splits every compiled graph at
 gradient-bucket boundaries (25 MB), so that all-reduces can start while the rest of the graph's
-backward runs. A DiT block holds about 4 buckets of parameters, so each block would become 4
-graphs: no fusion across the cuts, the block input's gradient summed eagerly, and more kernel
-launches. Compiled *blocks* need no split, since each block's backward is its own autograd node
-and DDP already all-reduces block by block while the next block's backward runs. So LiteGen's
-blocks compile with ``optimize_ddp`` off, again set around each call rather than process-wide.
+backward runs. A DiT block holds about 4 buckets of parameters, so each block would become
+about 4 graphs: no fusion across the cuts, the block input's gradient summed eagerly, and more
+kernel launches. Compiled *blocks* need no split, since each block's backward is its own
+autograd node and DDP already all-reduces block by block while the next block's backward runs.
+So LiteGen's blocks compile with ``optimize_ddp`` off, again set around each call (under DDP
+only) rather than process-wide. A model compiled whole (no repeated blocks) keeps the split:
+its backward is one autograd node, and only the split lets its all-reduces overlap it.
 
 Example:
     >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))
@@ -47,10 +49,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from litegen.memory.blocks import repeated_blocks
 
@@ -66,20 +70,27 @@ class _CompiledForward:
         compiled: Callable,
         patched: bool,
         memory_budget: float | None = None,
+        is_block: bool = True,
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
         self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
         self.memory_budget = memory_budget
+        # A block's backward is its own autograd node; a whole model's is not (module docstring).
+        self.is_block = is_block
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Both settings are read while Dynamo and AOTAutograd compile the block, which happens
-        # inside this call on its first run and on every recompile (module docstring).
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            if self.memory_budget is None:
-                return self.compiled(*args, **kwargs)
-            with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
-                return self.compiled(*args, **kwargs)
+        # inside this call on its first run and on every recompile (module docstring). Each is
+        # set only where it applies, so that elsewhere the call stays plain for an outer
+        # ``torch.compile``.
+        with ExitStack() as settings:
+            if self.is_block and DistributedDataParallel._get_active_ddp_module() is not None:
+                settings.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+            if self.memory_budget is not None:
+                budget = {"activation_memory_budget": self.memory_budget}
+                settings.enter_context(torch._functorch.config.patch(**budget))
+            return self.compiled(*args, **kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -99,8 +110,8 @@ def compile_blocks(
 
     ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``,
     ``options``). ``paths`` overrides the blocks (default: :func:`litegen.memory.repeated_blocks`;
-    the whole model's ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"`` skips inductor's
-    C++/Triton code generation); runs use inductor. ``memory_budget`` in [0, 1] bounds what
+    the whole model's ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"``
+    skips inductor's C++/Triton code generation); runs use inductor. ``memory_budget`` in [0, 1] bounds what
     each compiled block saves for backward (module docstring); ``None`` leaves compile's default.
 
     Example:
@@ -154,7 +165,9 @@ def compile_blocks(
                 f"optimization.compile.options: {reason}; the names and types are those of "
                 "torch._inductor.config."
             ) from exc
-        module.forward = _CompiledForward(original, compiled, patched, memory_budget)
+        module.forward = _CompiledForward(
+            original, compiled, patched, memory_budget, is_block=bool(path)
+        )
         done.append(path)
     return done
 

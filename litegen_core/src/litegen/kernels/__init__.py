@@ -7,7 +7,7 @@ fused = apply_fused_gelu_mlp(model)  # MLPs whose GELU now runs in cuBLASLt's GE
 """
 
 from litegen.kernels.attention import attention_context
-from litegen.kernels.gelu_mlp import apply_fused_gelu_mlp
 from litegen.kernels.layernorm import apply_fused_layernorm
+from litegen.kernels.mlp_fusion import apply_fused_gelu_mlp
 
 __all__ = ["apply_fused_gelu_mlp", "apply_fused_layernorm", "attention_context"]

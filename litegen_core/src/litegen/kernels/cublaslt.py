@@ -32,6 +32,7 @@ _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT_A_BYTES, _PREF_MIN_ALIGNMENT_B_BYTES = 5, 6
 _COMPUTE_32F, _R_32F = 68, 0
+_STATUS_NOT_SUPPORTED = 15
 _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}
 _WORKSPACE_BYTES = 32 * 2**20
 
@@ -78,7 +79,8 @@ def _handle(device_index: int) -> ctypes.c_void_p:
 
 
 @functools.cache
-def _workspace(device_index: int) -> torch.Tensor:
+def _workspace(device_index: int, stream: int) -> torch.Tensor:
+    # One per stream, as torch keeps its own: GEMMs on two streams must not share scratch space.
     return torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
 
 
@@ -96,7 +98,7 @@ class _Plan:
     def __init__(self, key: tuple) -> None:
         device_index, dtype, epilogue, transa, m, n, k, lda, ldb, ldd, align_a, align_b = key
         lib = _library()
-        dt = _DATA_TYPES[dtype]
+        data_type = _DATA_TYPES[dtype]
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "desc")
         _set(self.desc, _TRANSA, ctypes.c_int32(transa))
@@ -110,26 +112,24 @@ class _Plan:
         ):
             # rows and cols are uint64_t and ld int64_t in the C API: sized explicitly for ctypes.
             status = lib.cublasLtMatrixLayoutCreate(
-                ctypes.byref(layout), dt, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+                ctypes.byref(layout), data_type, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
                 ctypes.c_int64(ld),
             )  # fmt: skip
             _check(status, "cublasLtMatrixLayoutCreate")
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        size = ctypes.c_uint64(_WORKSPACE_BYTES)
-        lib.cublasLtMatmulPreferenceSetAttribute(
-            pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)
-        )
         # Inputs may be views at any offset (FSDP's gathered parameters): tell the heuristic
-        # their real alignment, which it otherwise assumes to be 256 bytes.
-        for attribute, align in (
-            (_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
-            (_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
+        # their real alignment, which it otherwise assumes to be 256 bytes. D, the aux matrix
+        # and the bias are LiteGen's own allocations, aligned to 256.
+        for attribute, value in (
+            (_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(_WORKSPACE_BYTES)),
+            (_PREF_MIN_ALIGNMENT_A_BYTES, ctypes.c_uint32(align_a)),
+            (_PREF_MIN_ALIGNMENT_B_BYTES, ctypes.c_uint32(align_b)),
         ):
-            value = ctypes.c_uint32(align)
-            lib.cublasLtMatmulPreferenceSetAttribute(
-                pref, attribute, ctypes.byref(value), ctypes.c_size_t(4)
+            status = lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))
             )
+            _check(status, f"cublasLtMatmulPreferenceSetAttribute({attribute})")
         self.result = _HeuristicResult()
         found = ctypes.c_int(0)
         a, b, d = self.layouts
@@ -140,8 +140,18 @@ class _Plan:
         lib.cublasLtMatmulPreferenceDestroy(pref)
         self.usable = status == 0 and found.value > 0
 
+    def __del__(self) -> None:  # evicted from the plan cache
+        try:
+            lib = _library()
+            for layout in self.layouts:
+                lib.cublasLtMatrixLayoutDestroy(layout)
+            lib.cublasLtMatmulDescDestroy(self.desc)
+        except Exception:  # a half-built plan, or the library already unloaded
+            pass
 
-@functools.cache
+
+# Bounded: each new token count (resolution, batch size) is a new shape.
+@functools.lru_cache(maxsize=256)
 def _plan(key: tuple) -> _Plan:
     return _Plan(key)
 
@@ -152,7 +162,19 @@ def _alignment(tensor: torch.Tensor) -> int:
     return min(256, address & -address) if address else 256
 
 
-def _matmul(a, b, d, *, transa: int, m: int, n: int, k: int, epilogue: int, bias, aux) -> bool:
+def _matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor,
+    *,
+    transa: int,
+    m: int,
+    n: int,
+    k: int,
+    epilogue: int,
+    bias: torch.Tensor | None,
+    aux: torch.Tensor,
+) -> bool:
     """``d = epilogue(op(a) @ b)`` in cuBLASLt's column-major terms; False if unsupported."""
     device_index = d.device.index if d.device.index is not None else torch.cuda.current_device()
     align_a, align_b = _alignment(a), _alignment(b)
@@ -167,16 +189,18 @@ def _matmul(a, b, d, *, transa: int, m: int, n: int, k: int, epilogue: int, bias
         _set(plan.desc, _BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
     _set(plan.desc, _AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    la, lb, ld = plan.layouts
+    layout_a, layout_b, layout_d = plan.layouts
     stream = torch.cuda.current_stream(d.device).cuda_stream
     status = _library().cublasLtMatmul(
         _handle(device_index), plan.desc, ctypes.byref(alpha),
-        ctypes.c_void_p(a.data_ptr()), la, ctypes.c_void_p(b.data_ptr()), lb,
-        ctypes.byref(beta), ctypes.c_void_p(d.data_ptr()), ld,
-        ctypes.c_void_p(d.data_ptr()), ld, ctypes.byref(plan.result.algo),
-        ctypes.c_void_p(_workspace(device_index).data_ptr()),
+        ctypes.c_void_p(a.data_ptr()), layout_a, ctypes.c_void_p(b.data_ptr()), layout_b,
+        ctypes.byref(beta), ctypes.c_void_p(d.data_ptr()), layout_d,
+        ctypes.c_void_p(d.data_ptr()), layout_d, ctypes.byref(plan.result.algo),
+        ctypes.c_void_p(_workspace(device_index, stream).data_ptr()),
         ctypes.c_size_t(_WORKSPACE_BYTES), ctypes.c_void_p(stream),
     )  # fmt: skip
+    if status == _STATUS_NOT_SUPPORTED:
+        return False
     _check(status, "cublasLtMatmul")
     return True
 
@@ -191,6 +215,8 @@ def gelu_aux_bias(
     """
     n, k = x.shape
     m = weight.shape[0]
+    if _alignment(bias) < 256:  # a parameter view; the heuristic assumed 256 (see _Plan)
+        bias = bias.clone()
     pre = x.new_empty(n, m)
     h = x.new_empty(n, m)
     # Column-major: h.T (m x n) = weight (k x m stored, transposed) @ x.T (k x n).
@@ -201,19 +227,19 @@ def gelu_aux_bias(
     return (pre, h) if done else None
 
 
-def dgelu(grad_out: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
-    """``(grad_out @ weight) * gelu'(pre)`` in one GEMM; ``weight`` is the second linear's.
+def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+    """``(grad_y @ weight) * gelu'(pre)`` in one GEMM; ``weight`` is the second linear's.
 
     ``pre`` is the aux output of :func:`gelu_aux_bias`.
 
     Example:
         >>> grad_pre = dgelu(grad_y, fc2.weight, pre)  # doctest: +SKIP
     """
-    n, k = grad_out.shape
+    n, k = grad_y.shape
     m = weight.shape[1]
-    grad_pre = grad_out.new_empty(n, m)
+    grad_pre = grad_y.new_empty(n, m)
     done = _matmul(
-        weight, grad_out, grad_pre, transa=_OP_N, m=m, n=n, k=k, epilogue=_EPILOGUE_DGELU,
+        weight, grad_y, grad_pre, transa=_OP_N, m=m, n=n, k=k, epilogue=_EPILOGUE_DGELU,
         bias=None, aux=pre,
     )  # fmt: skip
     return grad_pre if done else None

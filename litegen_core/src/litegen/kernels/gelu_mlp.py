@@ -1,11 +1,10 @@
-"""Fused GELU MLPs (``optimization.kernels.fused_gelu_mlp``): the activation inside the GEMMs.
+"""The fused GELU MLP op: ``Linear -> GELU(tanh) -> Linear`` with the activation in the GEMMs.
 
 A DiT block's MLP is ``Linear -> GELU(tanh) -> Linear``. Compiled, its GEMMs are cuBLAS and its
 GELU is a Triton kernel of its own in each direction, a full pass over the 4x-wide hidden
-activation: on workload C (issue 8) 5.6 ms forward and 9.4 ms backward of a 206 ms step. Fused,
-that step measured 2.8-3.0% shorter (docs/benchmarks.md). Inductor
-cannot move that work into cuBLAS, and its own Triton GEMMs are slower than cuBLAS here (its
-autotuning keeps cuBLAS), so the fusion is left undone. This module does it with cuBLASLt's
+activation: on workload C (issue 8) 5.6 ms forward and 9.4 ms backward of a 206 ms step.
+Inductor cannot move that work into cuBLAS, and its own Triton GEMMs are slower than cuBLAS here
+(its autotuning keeps cuBLAS), so the fusion is left undone. This op does it with cuBLASLt's
 epilogues (:mod:`litegen.kernels.cublaslt`):
 
 * forward: ``pre, h = x @ w1.T + b1, gelu(pre)`` in the first GEMM (``GELU_AUX_BIAS``), then
@@ -15,38 +14,30 @@ epilogues (:mod:`litegen.kernels.cublaslt`):
 
 It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). The pair is one custom op
 (``litegen::gelu_mlp``, with its backward op), opaque to ``torch.compile``, with FLOP formulas
-so MFU still counts it. Off CUDA, in fp32, or when cuBLASLt has no algorithm for a shape, the
-same ops run with torch's kernels.
-
-:func:`apply_fused_gelu_mlp` routes MLPs it can prove equal through the op: an ``nn.Sequential``
-of exactly ``Linear, GELU(approximate="tanh"), Linear``, and timm's ``Mlp`` (``fc1``, ``act``,
-``fc2``, with no dropout or norm), which the reference DiT uses. Both linears need a bias.
-Exact GELU (``approximate="none"``) is left alone: cuBLASLt's epilogue is the tanh form. The
-module tree, parameter names and ``state_dict`` keys stay the user's; only the matched modules'
-class changes, to a subclass whose ``forward`` calls the op (``FusedGeluSequential``, or a
-``FusedGelu<Name>`` subclass made for a timm-style class).
+so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inputs, or when
+cuBLASLt has no algorithm for a shape, the same ops run with torch's kernels.
+:mod:`litegen.kernels.mlp_fusion` routes a model's MLPs through it.
 
 Example:
-    >>> apply_fused_gelu_mlp(dit)  # before compile and wrapping, like prepare does
-    28
+    >>> y, pre, h = gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)  # x: (tokens, in)
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from litegen.kernels import cublaslt
 
 
 def _fusable_on_gpu(*tensors: Tensor) -> bool:
-    # cuBLASLt's epilogues want 16-byte aligned rows: bf16/fp16 dims that are multiples of 8.
-    return all(
-        t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.shape[-1] % 8 == 0
+    # cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
+    # aligned rows: bf16/fp16 dims that are multiples of 8.
+    dtype = tensors[0].dtype
+    return dtype in (torch.bfloat16, torch.float16) and all(
+        t.is_cuda and t.dtype == dtype and t.is_contiguous() and t.shape[-1] % 8 == 0
         for t in tensors
     )
 
@@ -121,92 +112,4 @@ def _backward_flops(grad_y, x, w1, w2, pre, h, *args, **kwargs) -> int:
     return 4 * x[0] * w1[0] * (x[1] + w2[0])  # input and weight gradients of both GEMMs
 
 
-def fused_gelu_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """The ``forward`` of a routed MLP: its two linears through :func:`gelu_mlp`.
-
-    Reads the linears' parameters at every call, so wrappers that swap them (FSDP) still work.
-    Under autocast it casts like ``nn.Linear`` would: inputs and parameters to the autocast
-    dtype, with gradients flowing back through the casts.
-    """
-    fc1, fc2 = (getattr(self, name) for name in self._litegen_linears)
-    device = x.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    tensors = (x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    with torch.autocast(device, enabled=False):
-        y, _, _ = gelu_mlp(*(t.to(dtype).contiguous() for t in tensors))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class FusedGeluSequential(nn.Sequential):
-    """``nn.Sequential(Linear, GELU(tanh), Linear)`` routed through :func:`gelu_mlp`."""
-
-    _litegen_linears = ("0", "2")
-    forward = fused_gelu_mlp_forward
-
-
-@functools.cache
-def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """A subclass of a timm-style ``Mlp`` class whose ``forward`` is the fused one."""
-    return type(
-        f"FusedGelu{cls.__name__}",
-        (cls,),
-        {"_litegen_linears": ("fc1", "fc2"), "forward": fused_gelu_mlp_forward},
-    )
-
-
-def is_fused(module: nn.Module) -> bool:
-    """Whether :func:`apply_fused_gelu_mlp` routed ``module``."""
-    return hasattr(type(module), "_litegen_linears")
-
-
-def _mlp_linears(module: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
-    """``(fc1, fc2)`` when ``module`` computes exactly ``fc2(gelu_tanh(fc1(x)))``, else None."""
-    if type(module) is nn.Sequential and len(module) == 3:
-        fc1, act, fc2 = module
-    elif type(module).__name__ == "Mlp" and all(hasattr(module, n) for n in ("fc1", "act", "fc2")):
-        extras = [getattr(module, n, None) for n in ("drop1", "norm", "drop2", "drop")]
-        if not all(_is_identity(e) for e in extras):
-            return None
-        fc1, act, fc2 = module.fc1, module.act, module.fc2
-    else:
-        return None
-    linears = type(fc1) is nn.Linear and type(fc2) is nn.Linear
-    if not (linears and fc1.bias is not None and fc2.bias is not None):
-        return None
-    if type(act) is not nn.GELU or act.approximate != "tanh":
-        return None
-    return (fc1, fc2) if fc1.out_features == fc2.in_features else None
-
-
-def _is_identity(module: nn.Module | None) -> bool:
-    return (
-        module is None
-        or type(module) is nn.Identity
-        or (type(module) is nn.Dropout and module.p == 0)
-    )
-
-
-def apply_fused_gelu_mlp(model: nn.Module) -> int:
-    """Route every GELU MLP of ``model`` that matches (module docstring) through the fused op.
-
-    In place and idempotent; call before compile and wrapping, as ``prepare`` does. Returns how
-    many MLPs were routed.
-
-    Example:
-        >>> apply_fused_gelu_mlp(nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8)))
-        1
-    """
-    count = 0
-    for module in model.modules():
-        if is_fused(module) or _mlp_linears(module) is None:
-            continue
-        # A class swap, not an instance ``forward``: every block's MLP keeps one class, so the
-        # blocks still share one compiled graph; parameters and their names are untouched.
-        sequential = type(module) is nn.Sequential
-        module.__class__ = FusedGeluSequential if sequential else _fused_class(type(module))
-        count += 1
-    return count
-
-
-__all__ = ["FusedGeluSequential", "apply_fused_gelu_mlp", "gelu_mlp", "is_fused"]
+__all__ = ["gelu_mlp", "gelu_mlp_backward"]

@@ -1,8 +1,8 @@
 """DDP: every rank holds the whole model and optimizer; gradients are all-reduced in buckets.
 
 On a single rank there is nothing to all-reduce, and DDP would only copy every gradient into
-its buckets (scaled by 1/world size) each step, so the model is left unwrapped there, as
-Lightning's single-device strategy does.
+its buckets (scaled by 1/world size) each step, so the model is left unwrapped there, as a
+single-GPU script would leave it.
 """
 
 from __future__ import annotations

@@ -162,10 +162,10 @@ class LiteGen(CheckpointAPI):
 
             fused = apply_fused_gelu_mlp(model)
             log.info("%s: %d GELU MLPs fused", type(model).__name__, fused)
-            if not fused:
+            if not fused and is_trainable(model):
                 log.warning(
                     "optimization.kernels.fused_gelu_mlp: %s has no Linear-GELU(tanh)-Linear MLP "
-                    "(nn.Sequential or timm Mlp, with biases); nothing was fused.",
+                    "that can be fused (see docs/performance.md); nothing was fused.",
                     type(model).__name__,
                 )
         if is_trainable(model):

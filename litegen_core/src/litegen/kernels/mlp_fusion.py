@@ -1,0 +1,174 @@
+"""Route a model's GELU MLPs through the fused op (``optimization.kernels.fused_gelu_mlp``).
+
+:func:`apply_fused_gelu_mlp` changes only MLPs it can prove compute exactly
+``fc2(gelu_tanh(fc1(x)))``:
+
+* an ``nn.Sequential`` of exactly ``Linear, GELU(approximate="tanh"), Linear``;
+* timm's own ``Mlp`` (``fc1``, ``act``, ``fc2``) with its dropouts at 0 and no norm, which the
+  reference DiT uses; a class of another library that is merely named ``Mlp`` is left alone.
+
+Both linears need a bias. Exact GELU (``approximate="none"``) is left alone, since cuBLASLt's
+epilogue is the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
+norm) or a patched ``forward``, since the op would skip them.
+
+A matched module's class becomes a subclass whose ``forward`` calls
+:func:`litegen.kernels.gelu_mlp.gelu_mlp`: ``FusedGeluSequential``, or ``FusedGeluMlp`` made
+for timm's class. It is a class swap, not an instance ``forward``, so every block's MLP keeps
+one class and the blocks still share one compiled graph. The module tree, parameter names and
+``state_dict`` keys stay the user's. The check runs again at every call. If the MLP has changed
+since (an FSDP unit wrapped around one of its linears, a hook added, a layer replaced or sliced
+off), it runs its original ``forward``.
+
+Example:
+    >>> apply_fused_gelu_mlp(dit)  # before compile and wrapping, as prepare does
+    28
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from litegen.kernels.gelu_mlp import gelu_mlp
+
+_TIMM_MLP_NO_OPS = ("drop1", "norm", "drop2")
+
+
+def _layers(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """``(fc1, act, fc2)`` of a three-layer Sequential or of timm's ``Mlp``, else None."""
+    if type(module) in (nn.Sequential, FusedGeluSequential):  # not subclasses: their own forward
+        return tuple(module) if len(module) == 3 else None
+    if _is_timm_mlp(type(module)) and all(
+        _is_no_op(getattr(module, name, None)) for name in _TIMM_MLP_NO_OPS
+    ):
+        return module.fc1, module.act, module.fc2
+    return None
+
+
+def _is_timm_mlp(cls: type) -> bool:
+    """Whether ``cls`` (or the class a fused one was made from) runs timm's ``Mlp.forward``."""
+    forward = cls.__bases__[0].forward if cls.forward is _fused_forward else cls.forward
+    return forward.__qualname__ == "Mlp.forward" and forward.__module__.startswith("timm.")
+
+
+def _is_no_op(module: nn.Module | None) -> bool:
+    return (
+        module is None
+        or type(module) is nn.Identity
+        or (type(module) is nn.Dropout and module.p == 0)
+    )
+
+
+def _runs_its_class_forward(module: nn.Module) -> bool:
+    """Calling ``module`` runs just its class's ``forward``: no hooks, no parametrization."""
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or parametrize.is_parametrized(module)
+    )
+
+
+def fusable_linears(module: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
+    """``(fc1, fc2)`` when ``module`` computes exactly ``fc2(gelu_tanh(fc1(x)))``, else None.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+        >>> fc1, fc2 = fusable_linears(mlp)
+    """
+    layers = _layers(module)
+    if layers is None or "forward" in module.__dict__:
+        return None
+    fc1, act, fc2 = layers
+    if not (type(fc1) is nn.Linear and type(act) is nn.GELU and type(fc2) is nn.Linear):
+        return None
+    if act.approximate != "tanh" or fc1.bias is None or fc2.bias is None:
+        return None
+    if fc1.out_features != fc2.in_features:
+        return None
+    return (fc1, fc2) if all(_runs_its_class_forward(m) for m in layers) else None
+
+
+def _fused_forward(self: nn.Module, x: Tensor) -> Tensor:
+    # Reads the parameters at every call, so wrappers that swap them (FSDP) still work.
+    linears = fusable_linears(self)
+    if linears is None:  # changed since it was fused (module docstring)
+        return type(self).__bases__[0].forward(self, x)
+    fc1, fc2 = linears
+    # Casts like nn.Linear under autocast: inputs and parameters to the autocast dtype, with
+    # gradients flowing back through the casts.
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    tensors = (x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    with torch.autocast(device, enabled=False):
+        y, _, _ = gelu_mlp(*(t.to(dtype).contiguous() for t in tensors))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class FusedGeluSequential(nn.Sequential):
+    """``nn.Sequential(Linear, GELU(tanh), Linear)`` through the fused op; see the module docs.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+        >>> apply_fused_gelu_mlp(mlp); type(mlp).__name__
+        'FusedGeluSequential'
+    """
+
+    forward = _fused_forward
+
+
+def _rebuild(base: type[nn.Module]) -> nn.Module:
+    """Unpickling (and deepcopy) of a fused timm module: its fused class, made again."""
+    module = base.__new__(base)
+    module.__class__ = _fused_class(base)
+    return module
+
+
+def _reduce_ex(self: nn.Module, protocol: int):
+    # The generated class cannot be imported by name, its base (timm's) can.
+    return _rebuild, (type(self).__bases__[0],), self.__dict__
+
+
+@functools.cache
+def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The fused subclass of timm's ``Mlp`` class ``cls``."""
+    return type(
+        f"FusedGelu{cls.__name__}",
+        (cls,),
+        {"forward": _fused_forward, "__reduce_ex__": _reduce_ex, "__module__": __name__},
+    )
+
+
+def is_fused(module: nn.Module) -> bool:
+    """Whether :func:`apply_fused_gelu_mlp` routed ``module``.
+
+    Example:
+        >>> is_fused(dit.blocks[0].mlp)
+        True
+    """
+    return type(module).forward is _fused_forward
+
+
+def apply_fused_gelu_mlp(model: nn.Module) -> int:
+    """Route every GELU MLP of ``model`` that matches (module docstring) through the fused op.
+
+    In place and idempotent; call before compile and wrapping, as ``prepare`` does. Returns how
+    many MLPs of ``model`` are routed, including any routed before.
+
+    Example:
+        >>> apply_fused_gelu_mlp(nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8)))
+        1
+    """
+    count = 0
+    for module in model.modules():
+        if not is_fused(module) and fusable_linears(module) is not None:
+            sequential = type(module) is nn.Sequential
+            module.__class__ = FusedGeluSequential if sequential else _fused_class(type(module))
+        count += is_fused(module)
+    return count
+
+
+__all__ = ["FusedGeluSequential", "apply_fused_gelu_mlp", "fusable_linears", "is_fused"]
