@@ -51,7 +51,9 @@ def _layers(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
 def _is_timm_mlp(cls: type) -> bool:
     """Whether ``cls`` (or the class a fused one was made from) runs timm's ``Mlp.forward``."""
     forward = cls.__bases__[0].forward if cls.forward is _fused_forward else cls.forward
-    return forward.__qualname__ == "Mlp.forward" and forward.__module__.startswith("timm.")
+    # getattr: a class's forward may be any callable (a partial, a scripted method).
+    qualname, module = getattr(forward, "__qualname__", ""), getattr(forward, "__module__", "")
+    return qualname == "Mlp.forward" and (module or "").startswith("timm.")
 
 
 def _is_no_op(module: nn.Module | None) -> bool:
