@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_profile import attention_sweep, print_profiles, profile_summary
-from dit_model import DiT, DiTConfig, release, sample_batch, sync
+from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
 
 import litegen
 from litegen.flops import FlopCounter, peak_flops
@@ -127,8 +127,7 @@ class LiteGenRunner:
 def wrap_by_hand(model: DiT, strategy: str, device: torch.device, compile_mode: str | None):
     """The strategy as a user would write it with plain PyTorch; returns (model, optimizer)."""
     if compile_mode:  # torchtitan's regional compile: each block, before sharding
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, mode=compile_mode, dynamic=False)
+        compile_blocks_by_hand(model, compile_mode)
     fused = device.type == "cuda"
     if strategy == "ddp" and dist.get_world_size() == 1:
         model.to(device)  # one GPU: a user writes no wrapper (DDP would only copy gradients)

@@ -12,24 +12,12 @@ Defaults are workloads A and C's MLP (32768 tokens, 1152 -> 4608 -> 1152):
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from dit_model import ms_per_call
 
 from litegen.kernels.cublaslt import dgelu, gelu_aux_bias
-
-
-def ms_per_call(fn: Callable[[], object], calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main() -> None:
@@ -44,6 +32,7 @@ def main() -> None:
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
+    device = torch.device("cuda")
     n, d, inner = args.tokens, args.hidden, args.hidden * args.mlp_ratio
     x, w1, b1, w2 = randn(n, d), randn(inner, d, scale=0.03), randn(inner), randn(d, inner)
     grad_y, pre = randn(n, d), randn(n, inner)
@@ -64,7 +53,7 @@ def main() -> None:
         p.error("cuBLASLt offers no GELU epilogue algorithm for this shape on this GPU")
     print(f"{n} tokens, {d} -> {inner} -> {d}, bf16, {torch.cuda.get_device_name()}")
     for name, fn in rows.items():
-        print(f"{ms_per_call(fn):8.3f} ms  {name}")
+        print(f"{ms_per_call(fn, device, calls=20):8.3f} ms  {name}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dit_model import DiT, DiTConfig, release, sample_batch, sync
+from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
 
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, select_evenly
@@ -98,8 +98,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
         model.hand_context_fn = POLICY_CONTEXTS[policy]
         model.hand_offload = offload
     if compile_ and impl == "hand":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, dynamic=False)
+        compile_blocks_by_hand(model)
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     return model, optimizer, offloader

@@ -16,8 +16,6 @@ workload's shape and names the kernel torch picks by default.
 
 from __future__ import annotations
 
-import gzip
-import json
 import tempfile
 import time
 from contextlib import nullcontext
@@ -25,7 +23,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from dit_model import DiTConfig, sync
+from dit_model import DiTConfig, ms_per_call, sync
+from trace_kernels import kernel_category, load_kernels
 
 from litegen.kernels.attention import BACKENDS, attention_context
 
@@ -34,14 +33,7 @@ def _time_attention(name: str, run, context, device: torch.device) -> dict:
     """Milliseconds per forward+backward call of ``run`` inside ``context`` (3 warm-up, 10 timed)."""
     try:
         with context:
-            for _ in range(3):
-                run()
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(10):
-                run()
-            sync(device)
-        return {"backend": name, "ms": (time.perf_counter() - start) * 100}
+            return {"backend": name, "ms": ms_per_call(run, device, calls=10)}
     except RuntimeError as exc:  # the backend does not support this shape or device
         return {"backend": name, "ms": None, "error": str(exc).splitlines()[0][:200]}
 
@@ -91,23 +83,6 @@ def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.devic
     return rows
 
 
-# Kernel name fragments per category, checked in this order (attention kernels also use CUTLASS).
-KERNEL_CATEGORIES = (
-    ("communication", ("nccl",)),
-    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn_generated")),
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "wgmma", "cublas")),
-    ("optimizer", ("multi_tensor", "adam")),
-)
-
-
-def kernel_category(name: str) -> str:
-    lowered = name.lower()
-    for category, fragments in KERNEL_CATEGORIES:
-        if any(f in lowered for f in fragments):
-            return category
-    return "elementwise/other"
-
-
 def _union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
@@ -139,14 +114,11 @@ def profile_summary(
             runner.step(batch)
         sync(device)
         wall_us = (time.perf_counter() - start) * 1e6
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        text = Path(trace.name).read_text()
-    if keep_trace is not None:
-        keep_trace.write_bytes(gzip.compress(text.encode()))
-    events = json.loads(text)["traceEvents"]
-    kind = "kernel" if cuda else "cpu_op"
-    kernels = [e for e in events if e.get("cat") == kind and "dur" in e]
+    with tempfile.TemporaryDirectory() as scratch:
+        # torch gzips the trace itself when the name ends in .gz.
+        trace = keep_trace if keep_trace is not None else Path(scratch) / "trace.json.gz"
+        prof.export_chrome_trace(str(trace))
+        kernels = load_kernels(trace, kind="kernel" if cuda else "cpu_op")
     busy: dict[str, float] = {}
     other: dict[str, float] = {}  # the uncategorised kernels, to see what compile left
     spans: dict[bool, list[tuple[float, float]]] = {True: [], False: []}

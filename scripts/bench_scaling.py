@@ -150,7 +150,7 @@ def bench(args: Namespace) -> int:
             print(
                 f"{row['strategy']:<9}loss step 1 {row['losses'][0]:.5f}, step "
                 f"{len(row['losses'])} {row['losses'][-1]:.5f}, max rel. diff vs ddp "
-                f"{'-' if diff is None else f'{diff:.2e}'}"
+                f"{fmt(diff, '.2e')}"
             )
         for strategy, error in failures.items():
             print(f"FAILED {strategy}: {error}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -134,6 +135,12 @@ class DiT(nn.Module):
         return self.final_linear(modulate(self.final_norm(x), shift, scale))
 
 
+def compile_blocks_by_hand(model: DiT, mode: str = "default") -> None:
+    """torchtitan's regional compile, as a user writes it: each block, before any wrapping."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, mode=mode, dynamic=False)
+
+
 def release(device: torch.device, reset_compile: bool = True) -> None:
     """Free what a finished benchmark case left behind: compiled graphs, garbage, cached blocks."""
     if reset_compile:
@@ -147,6 +154,20 @@ def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued kernels, so host timers measure them (nothing to wait on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def ms_per_call(
+    fn: Callable[[], object], device: torch.device, calls: int, warmup: int = 3
+) -> float:
+    """Mean milliseconds of ``fn()`` over ``calls`` calls after ``warmup``, synced around."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def sample_batch(

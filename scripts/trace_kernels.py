@@ -19,13 +19,31 @@ from collections import Counter
 from pathlib import Path
 
 GAP_BINS_US = (5, 20, 100, 1000, float("inf"))
+# Kernel name fragments per category, checked in this order (attention kernels also use CUTLASS).
+# bench_profile.py sums a step's time by these categories.
+KERNEL_CATEGORIES = (
+    ("communication", ("nccl",)),
+    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn_generated")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "wgmma", "cublas")),
+    ("optimizer", ("multi_tensor", "adam")),
+)
 
 
-def load_kernels(path: Path) -> list[dict]:
-    """The GPU kernel events of a Chrome trace (plain or gzipped JSON), in start order."""
+def kernel_category(name: str) -> str:
+    """The :data:`KERNEL_CATEGORIES` entry a kernel name falls in, or ``elementwise/other``."""
+    lowered = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in lowered for f in fragments):
+            return category
+    return "elementwise/other"
+
+
+def load_kernels(path: Path, kind: str = "kernel") -> list[dict]:
+    """The events of ``kind`` (GPU kernels by default) of a Chrome trace (plain or gzipped
+    JSON), in start order."""
     raw = path.read_bytes()
     events = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == kind and "dur" in e]
     return sorted(kernels, key=lambda e: e["ts"])
 
 
@@ -41,7 +59,7 @@ def heaviest(kernels: list[dict], steps: int, top: int) -> list[tuple[float, int
 
 def gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
     """(µs, kernel before, kernel after) for every stretch with no compute kernel running."""
-    compute = [e for e in kernels if "nccl" not in e["name"].lower()]
+    compute = [e for e in kernels if kernel_category(e["name"]) != "communication"]
     if not compute:
         return []
     found = []

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from litegen.compile import compile_blocks, is_compiled, uncompile_blocks
@@ -123,8 +122,6 @@ def test_dynamic_false_specialises_on_every_shape():
 
 def graphs_under_ddp(compile_fn) -> int:
     """Graphs Dynamo hands its backend for the blocks of a DDP model with 1 MB buckets."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     model = DiT(DiTConfig(hidden=256, depth=2, heads=4, num_classes=10))  # 4.7 MB per block
     counter = CompileCounter()
@@ -136,7 +133,7 @@ def graphs_under_ddp(compile_fn) -> int:
     return counter.frame_count
 
 
-def test_compiled_blocks_stay_one_graph_under_ddp():
+def test_compiled_blocks_stay_one_graph_under_ddp(group):
     def by_hand(model: DiT, backend) -> None:
         for block in model.blocks:
             block.forward = torch.compile(block.forward, backend=backend)

@@ -2,15 +2,8 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from litegen.loss_guard import LossGuard
-
-
-@pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
 
 
 def test_a_nan_is_reported_one_step_later_naming_its_step(group):

@@ -41,13 +41,8 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
             title="Cannot resume:",
             hint="Pass a step_<N> folder written by the training loop, or its checkpoint_dir.",
         ) from None
-    launch_file = step_dir / "launch.yaml"
     try:
-        launch = (
-            yaml.safe_load(launch_file.read_text(encoding="utf-8")) if launch_file.is_file() else {}
-        )
-        if not isinstance(launch, dict | None):
-            raise ValueError(f"it holds a {type(launch).__name__}, not a mapping")
+        launch = read_config_text(step_dir, "launch.yaml", optional=True)
     except (OSError, ValueError, yaml.YAMLError) as err:
         raise RecipeError(
             [f"run checkpoint {step_dir} has a corrupt launch.yaml: {err}"],
@@ -55,7 +50,7 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
             hint="Repair launch.yaml, or move it aside and give the entry module and ranks as "
             "overrides (launch.entry=path/to/entry.py launch.nproc_per_node=N).",
         ) from None
-    before = {"launch": dict(launch or {}), **saved}
+    before = {"launch": launch, **saved}
     data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
     path = step_dir / "config.yaml"

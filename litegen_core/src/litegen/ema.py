@@ -91,6 +91,17 @@ class BufferMirror:
         for mine, theirs in self._pairs:
             mine.copy_(theirs)
 
+    def cpu_state(self) -> dict[str, torch.Tensor]:
+        """The copies on CPU, keyed like the model's buffers."""
+        return {name: b.cpu() for name, b in self.copies.items()}
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the buffers ``state`` has (a saved EMA state) into the copies."""
+        for name, buffer in self.copies.items():
+            if name in state:
+                buffer.copy_(state[name])
+
 
 class EMA:
     """An FP32 moving average of ``model``'s parameters, sharded like the strategy's layout.
@@ -125,7 +136,6 @@ class EMA:
             ema = local(param.detach()).float().clone()
             self.slots.append(_Slot(name, param, local, ema, slot_mesh, placements))
         self.mirror = BufferMirror(model)
-        self.buffers = self.mirror.copies
 
     def _source(self, slot: _Slot) -> torch.Tensor:
         """The current value of the slot's piece: the FP32 master when the optimizer has one."""
@@ -155,7 +165,7 @@ class EMA:
         state = {}
         for slot in self.slots:
             state[slot.name] = _full(slot.as_dtensor()).detach().cpu()
-        state.update({name: b.cpu() for name, b in self.buffers.items()})
+        state.update(self.mirror.cpu_state())
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -174,14 +184,12 @@ class EMA:
                 slot.ema.copy_(piece)
             else:
                 slot.ema.copy_(slot.local(full))
-        for name, buffer in self.buffers.items():
-            if name in state:
-                buffer.copy_(state[name])
+        self.mirror.load(state)
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
         """DTensors over the local shards, which ``dcp.save``/``dcp.load`` reshard in place."""
         state = {slot.name: slot.as_dtensor() for slot in self.slots}
-        state.update(self.buffers)
+        state.update(self.mirror.copies)
         return state
 
     def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:

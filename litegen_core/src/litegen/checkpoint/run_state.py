@@ -137,11 +137,24 @@ def read_metadata(model_dir: Path) -> Any:
         ) from err
 
 
-def read_config_text(path: Path) -> dict[str, Any]:
-    """The ``config.yaml`` a checkpoint was saved with, as a dict."""
-    data = yaml.safe_load((Path(path) / "config.yaml").read_text(encoding="utf-8"))
+def read_config_text(
+    path: Path, name: str = "config.yaml", *, optional: bool = False
+) -> dict[str, Any]:
+    """A YAML mapping a checkpoint folder holds (by default the config it was saved with).
+
+    ``optional``: a missing or empty file reads as ``{}`` instead of raising.
+
+    Example:
+        >>> launch = read_config_text(step_dir, "launch.yaml", optional=True)
+    """
+    file = Path(path) / name
+    if optional and not file.is_file():
+        return {}
+    data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    if optional and data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ValueError(f"run checkpoint {path} is corrupt: config.yaml is not a mapping.")
+        raise ValueError(f"run checkpoint {path} is corrupt: {name} is not a mapping.")
     return data
 
 

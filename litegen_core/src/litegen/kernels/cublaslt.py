@@ -9,8 +9,9 @@ not the two a GELU MLP needs for training, which keep the activation out of its 
   layer and the GELU.
 
 cuBLASLt is column-major, so a row-major ``(rows, cols)`` tensor is passed as its transpose.
-Both functions return ``None`` when cuBLASLt offers no algorithm for the call, and the caller
-falls back to torch ops. cuBLASLt's GELU is the tanh approximation.
+Both functions return ``None`` for a call cuBLASLt cannot serve (CPU, fp32, mixed dtypes,
+non-contiguous or misaligned inputs, no algorithm for the shape), and the caller falls back to
+torch ops. cuBLASLt's GELU is the tanh approximation.
 
 Example:
     >>> pre, h = gelu_aux_bias(x, w1, b1)  # doctest: +SKIP
@@ -156,6 +157,16 @@ def _plan(key: tuple) -> _Plan:
     return _Plan(key)
 
 
+def _servable(*tensors: torch.Tensor) -> bool:
+    # cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
+    # aligned rows: bf16/fp16 dims that are multiples of 8.
+    dtype = tensors[0].dtype
+    return dtype in _DATA_TYPES and all(
+        t.is_cuda and t.dtype == dtype and t.is_contiguous() and t.shape[-1] % 8 == 0
+        for t in tensors
+    )
+
+
 def _alignment(tensor: torch.Tensor) -> int:
     """The largest power of two (up to 256) that divides the tensor's address, in bytes."""
     address = tensor.data_ptr()
@@ -213,6 +224,8 @@ def gelu_aux_bias(
     Example:
         >>> pre, h = gelu_aux_bias(x, fc1.weight, fc1.bias)  # doctest: +SKIP
     """
+    if not _servable(x, weight, bias):
+        return None
     n, k = x.shape
     m = weight.shape[0]
     if _alignment(bias) < 256:  # a parameter view; the heuristic assumed 256 (see _Plan)
@@ -235,6 +248,8 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
     Example:
         >>> grad_pre = dgelu(grad_y, fc2.weight, pre)  # doctest: +SKIP
     """
+    if not _servable(grad_y, weight, pre):
+        return None
     n, k = grad_y.shape
     m = weight.shape[1]
     grad_pre = grad_y.new_empty(n, m)

@@ -32,22 +32,12 @@ from torch.utils.flop_counter import register_flop_formula
 from litegen.kernels import cublaslt
 
 
-def _fusable_on_gpu(*tensors: Tensor) -> bool:
-    # cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
-    # aligned rows: bf16/fp16 dims that are multiples of 8.
-    dtype = tensors[0].dtype
-    return dtype in (torch.bfloat16, torch.float16) and all(
-        t.is_cuda and t.dtype == dtype and t.is_contiguous() and t.shape[-1] % 8 == 0
-        for t in tensors
-    )
-
-
 @torch.library.custom_op("litegen::gelu_mlp", mutates_args=())
 def gelu_mlp(
     x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, pre, h)`` of ``y = gelu_tanh(x @ w1.T + b1) @ w2.T + b2`` for 2-D ``x``."""
-    fused = cublaslt.gelu_aux_bias(x, w1, b1) if _fusable_on_gpu(x, w1, b1) else None
+    fused = cublaslt.gelu_aux_bias(x, w1, b1)
     if fused is None:
         pre = F.linear(x, w1, b1)
         fused = pre, F.gelu(pre, approximate="tanh")
@@ -66,7 +56,7 @@ def gelu_mlp_backward(
     grad_y: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`gelu_mlp`'s ``y`` for ``(x, w1, b1, w2, b2)``."""
-    grad_pre = cublaslt.dgelu(grad_y, w2, pre) if _fusable_on_gpu(grad_y, w2, pre) else None
+    grad_pre = cublaslt.dgelu(grad_y, w2, pre)
     if grad_pre is None:
         grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
     # b1's gradient as a plain sum: cuBLASLt's DGELU_BGRAD epilogue, which would add it, ran as a

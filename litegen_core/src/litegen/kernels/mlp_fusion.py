@@ -39,7 +39,7 @@ _TIMM_MLP_NO_OPS = ("drop1", "norm", "drop2")
 
 def _layers(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
     """``(fc1, act, fc2)`` of a three-layer Sequential or of timm's ``Mlp``, else None."""
-    if type(module) in (nn.Sequential, FusedGeluSequential):  # not subclasses: their own forward
+    if _base(type(module)) is nn.Sequential:  # not subclasses: they have a forward of their own
         return tuple(module) if len(module) == 3 else None
     if _is_timm_mlp(type(module)) and all(
         _is_no_op(getattr(module, name, None)) for name in _TIMM_MLP_NO_OPS
@@ -50,7 +50,7 @@ def _layers(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
 
 def _is_timm_mlp(cls: type) -> bool:
     """Whether ``cls`` (or the class a fused one was made from) runs timm's ``Mlp.forward``."""
-    forward = cls.__bases__[0].forward if cls.forward is _fused_forward else cls.forward
+    forward = _base(cls).forward
     # getattr: a class's forward may be any callable (a partial, a scripted method).
     qualname, module = getattr(forward, "__qualname__", ""), getattr(forward, "__module__", "")
     return qualname == "Mlp.forward" and (module or "").startswith("timm.")
@@ -98,7 +98,7 @@ def _fused_forward(self: nn.Module, x: Tensor) -> Tensor:
     # Reads the parameters at every call, so wrappers that swap them (FSDP) still work.
     linears = fusable_linears(self)
     if linears is None:  # changed since it was fused (module docstring)
-        return type(self).__bases__[0].forward(self, x)
+        return _base(type(self)).forward(self, x)
     fc1, fc2 = linears
     # Casts like nn.Linear under autocast: inputs and parameters to the autocast dtype, with
     # gradients flowing back through the casts.
@@ -110,38 +110,34 @@ def _fused_forward(self: nn.Module, x: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-class FusedGeluSequential(nn.Sequential):
-    """``nn.Sequential(Linear, GELU(tanh), Linear)`` through the fused op; see the module docs.
-
-    Example:
-        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
-        >>> apply_fused_gelu_mlp(mlp); type(mlp).__name__
-        'FusedGeluSequential'
-    """
-
-    forward = _fused_forward
+def _base(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class a fused class was made from; ``cls`` itself when it is not fused."""
+    return cls.__bases__[0] if cls.forward is _fused_forward else cls
 
 
 def _rebuild(base: type[nn.Module]) -> nn.Module:
-    """Unpickling (and deepcopy) of a fused timm module: its fused class, made again."""
+    """Unpickling (and deepcopy) of a fused module: its fused class, made again."""
     module = base.__new__(base)
     module.__class__ = _fused_class(base)
     return module
 
 
 def _reduce_ex(self: nn.Module, protocol: int):
-    # The generated class cannot be imported by name, its base (timm's) can.
-    return _rebuild, (type(self).__bases__[0],), self.__dict__
+    # A generated class cannot be imported by name; its base (nn.Sequential, timm's) can.
+    return _rebuild, (_base(type(self)),), self.__dict__
 
 
 @functools.cache
 def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The fused subclass of timm's ``Mlp`` class ``cls``."""
+    """The fused subclass of ``cls`` (``nn.Sequential`` or timm's ``Mlp``)."""
     return type(
         f"FusedGelu{cls.__name__}",
         (cls,),
         {"forward": _fused_forward, "__reduce_ex__": _reduce_ex, "__module__": __name__},
     )
+
+
+FusedGeluSequential = _fused_class(nn.Sequential)
 
 
 def is_fused(module: nn.Module) -> bool:
@@ -167,8 +163,7 @@ def apply_fused_gelu_mlp(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if not is_fused(module) and fusable_linears(module) is not None:
-            sequential = type(module) is nn.Sequential
-            module.__class__ = FusedGeluSequential if sequential else _fused_class(type(module))
+            module.__class__ = _fused_class(type(module))
         count += is_fused(module)
     return count
 

@@ -101,7 +101,7 @@ class _Partition:
             apply_backend(optimizer, opt_settings)  # ZeRO copies the user's group flags
             self.stepper = self._native_optimizer(optimizer, settings.parameter_sync)
             self.local = self.stepper.optim
-            if opt_settings.fp32_master_weights and strategy.master_weights:
+            if opt_settings.fp32_master_weights:
                 enable_master_weights(self.local)
         else:
             self.stepper = self.local = optimizer

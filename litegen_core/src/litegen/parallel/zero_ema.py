@@ -27,7 +27,6 @@ class BucketEMA:
     """
 
     def __init__(self, model: nn.Module, buckets: list[Bucket], optimizer) -> None:
-        self.model = model
         self.buckets = buckets
         self.optimizer = optimizer
         self.name_of = {id(p): name for name, p in model.named_parameters()}
@@ -37,7 +36,6 @@ class BucketEMA:
         self.shards = [self._source(b).float().clone() for b in buckets]
         self.whole = {name: p.detach().float().clone() for name, p in self.replicated.items()}
         self.mirror = BufferMirror(model)
-        self.buffers = self.mirror.copies
 
     def _source(self, bucket: Bucket) -> torch.Tensor:
         state = self.optimizer.state.get(bucket.shard)
@@ -60,7 +58,7 @@ class BucketEMA:
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 state[self.name_of[id(p)]] = flat[offset : offset + p.numel()].view(p.shape).cpu()
         state.update({name: t.cpu() for name, t in self.whole.items()})
-        state.update({name: b.cpu() for name, b in self.buffers.items()})
+        state.update(self.mirror.cpu_state())
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -70,9 +68,7 @@ class BucketEMA:
             )
         for name, tensor in self.whole.items():
             tensor.copy_(state[name])
-        for name, buffer in self.buffers.items():
-            if name in state:
-                buffer.copy_(state[name])
+        self.mirror.load(state)
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
         """The full average (identical on every rank, so DCP stores it once)."""
