@@ -89,7 +89,7 @@ def test_hsdp_ema_on_two_simulated_nodes():
         torch.testing.assert_close(results[0]["ema"][name], value, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp2"])
 def test_ema_follows_fp32_master_weights(strategy):
     extra = {
         "optimization": {

@@ -40,8 +40,19 @@ def plain_step(batch, model):
     return loss_fn(model, batch)
 
 
-def train(strategy: str, root: str, steps: int, step_fn=noisy_step, **trainer) -> dict:
-    """TinyDiT + AdamW + LambdaLR + EMA through the real loop; full weights and EMA back."""
+def train(
+    strategy: str, root: str, steps: int, step_fn=noisy_step, masters=False, **trainer
+) -> dict:
+    """TinyDiT + AdamW + LambdaLR + EMA through the real loop; full weights and EMA back.
+
+    ``masters``: a bf16 model stepped through FP32 master weights.
+    """
+    optimization = {"parallel": {"strategy": strategy}}
+    if masters:
+        optimization |= {
+            "precision": {"cast_model": "bf16"},
+            "optimizer": {"fp32_master_weights": True},
+        }
     import litegen
     from litegen.trainer import Trainer
     from litegen.utils.config import MainConfig
@@ -54,7 +65,7 @@ def train(strategy: str, root: str, steps: int, step_fn=noisy_step, **trainer) -
             "global_batch_size": 8,
             "max_steps": steps,
             "ema": {"enable": True, "decay": 0.9},
-            "optimization": {"parallel": {"strategy": strategy}},
+            "optimization": optimization,
             "trainer": {"log_every": 1, "save_final": False, **trainer},
         }
     )
@@ -72,11 +83,13 @@ def train(strategy: str, root: str, steps: int, step_fn=noisy_step, **trainer) -
     }
 
 
-def stop_and_resume(strategy: str, tmp: str) -> dict:
-    out = {"straight": train(strategy, f"{tmp}/a", STEPS)}
+def stop_and_resume(strategy: str, tmp: str, masters: bool = False) -> dict:
+    out = {"straight": train(strategy, f"{tmp}/a", STEPS, masters=masters)}
     # The second leg saves asynchronously: the copy must not see later updates.
-    out["first"] = train(strategy, f"{tmp}/b", STOP, checkpoint_every=STOP, async_checkpoint=True)
-    out["resumed"] = train(strategy, f"{tmp}/b", STEPS, resume_run=f"{tmp}/b/ckpt")
+    out["first"] = train(
+        strategy, f"{tmp}/b", STOP, masters=masters, checkpoint_every=STOP, async_checkpoint=True
+    )
+    out["resumed"] = train(strategy, f"{tmp}/b", STEPS, masters=masters, resume_run=f"{tmp}/b/ckpt")
     return out
 
 
@@ -91,9 +104,20 @@ def zero1_mark():
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero1", marks=zero1_mark()), "fsdp2"])
-def test_stop_and_resume_is_bitwise_equal(tmp_path, strategy):
-    result = run_ranks(stop_and_resume, 2, strategy, str(tmp_path))[0]
+@pytest.mark.parametrize(
+    ("strategy", "masters"),
+    [
+        ("ddp", False),
+        pytest.param("zero1", False, marks=zero1_mark()),
+        ("fsdp2", False),
+        # bf16 parameters, FP32 masters in the optimizer state
+        ("ddp", True),
+        ("zero1", True),
+        ("fsdp2", True),
+    ],
+)
+def test_stop_and_resume_is_bitwise_equal(tmp_path, strategy, masters):
+    result = run_ranks(stop_and_resume, 2, strategy, str(tmp_path), masters)[0]
     straight, first, resumed = result["straight"], result["first"], result["resumed"]
     assert len(straight["losses"]) == STEPS
     assert first["losses"] + resumed["losses"] == straight["losses"]

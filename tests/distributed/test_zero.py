@@ -160,7 +160,7 @@ def master_rank(tmp: str) -> dict:
     out = {"fp32": weights(gen, model)}
     gen, model, _, _ = train(tmp, {"strategy": "zero1"}, precision={"cast_model": "bf16"})
     out["bf16"] = weights(gen, model)
-    for strategy in ("zero1", "zero2"):
+    for strategy in ("ddp", "zero1", "zero2"):
         gen, model, optimizer, _ = train(
             tmp, {"strategy": strategy}, precision={"cast_model": "bf16"}, fp32_master_weights=True
         )
@@ -285,7 +285,7 @@ def test_four_rank_shards_load_into_two_ranks(two, four):
     assert_same_optim(two[1]["checkpoint"]["from_4"], four[0]["saved"], "4 -> 2 ranks, rank 1")
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
 def test_master_weights_track_fp32(two, strategy):
     out = two[0]["master"]
     reference, plain_bf16 = out["fp32"], out["bf16"]

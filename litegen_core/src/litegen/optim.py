@@ -5,7 +5,9 @@
 * ``fp32_master_weights``: AdamW keeps an FP32 copy of every bf16/fp16 parameter in its state
   (``state[p]["master"]``, with FP32 moments beside it), steps that copy with the gradient
   upcast to FP32, and writes the result back into the parameter rounded to nearest. Small
-  updates that would vanish in bf16 accumulate in the master instead.
+  updates that would vanish in bf16 accumulate in the master instead. With ``backend: fused``
+  (or ``AdamW(fused=True)``) on CUDA, one Triton kernel per parameter does all of that in one
+  pass (:mod:`litegen.kernels.master_adamw`); otherwise torch's AdamW steps the masters.
 
 The master step runs in an optimizer *step pre-hook*: it updates the low-precision parameters
 itself and hides their gradients, so the optimizer's own step only touches FP32 parameters. The
@@ -47,8 +49,8 @@ def configure_optimizer(
         else:
             # The strategies named are those with Strategy.master_weights set.
             warnings.warn(
-                "optimization.optimizer.fp32_master_weights is only applied under zero1, zero2, "
-                "fsdp2 and hsdp; it is ignored with this strategy.",
+                "optimization.optimizer.fp32_master_weights is only applied under ddp, zero1, "
+                "zero2, fsdp2 and hsdp; it is ignored with this strategy.",
                 stacklevel=2,
             )
     return optimizer
@@ -123,8 +125,29 @@ def enable_master_weights(optimizer: torch.optim.Optimizer) -> None:
         )
     optimizer.register_step_pre_hook(_master_step)
     optimizer.register_step_post_hook(_restore_grads)
+    optimizer.register_load_state_dict_pre_hook(_keep_fp32_state)
+    optimizer.register_load_state_dict_post_hook(_restore_fp32_state)
     optimizer._litegen_master_weights = True
     optimizer._litegen_hidden_grads = []
+
+
+def _keep_fp32_state(optimizer, state_dict: dict) -> None:
+    # Optimizer.load_state_dict casts floating state to its parameter's dtype, which would round
+    # the masters and moments of a bf16 parameter to bf16: keep them aside, by parameter.
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    kept = {}
+    for saved_id, p in zip(saved_ids, params, strict=False):
+        state = state_dict["state"].get(saved_id, {})
+        fp32 = {k: state[k] for k in ("master", *_MOMENTS) if k in state}
+        if p.dtype in _LOW_PRECISION and all(v.dtype == torch.float32 for v in fp32.values()):
+            kept[p] = fp32
+    optimizer._litegen_fp32_state = kept
+
+
+def _restore_fp32_state(optimizer) -> None:
+    for p, fp32 in optimizer.__dict__.pop("_litegen_fp32_state", {}).items():
+        optimizer.state[p].update({k: v.to(device=p.device) for k, v in fp32.items()})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -178,30 +201,59 @@ def _master_step(optimizer, args, kwargs) -> None:
             )
         fused = bool(group.get("fused"))
         states = [_master_state(optimizer, p, fused) for p in params]
-        masters = [_local(s["master"]) for s in states]
-        adam(
-            masters,
-            [_local(p.grad).float() for p in params],
+        tensors = (
+            [_local(p.detach()) for p in params],
+            [_local(p.grad) for p in params],
+            [_local(s["master"]) for s in states],
             [_local(s["exp_avg"]) for s in states],
             [_local(s["exp_avg_sq"]) for s in states],
-            [],
             [s["step"] for s in states],
-            foreach=bool(group.get("foreach")),
-            fused=fused or None,
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=group["betas"][0],
-            beta2=group["betas"][1],
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
         )
-        for p, master in zip(params, masters, strict=True):
-            _local(p.detach()).copy_(master)  # round to nearest into bf16/fp16
+        _adamw_on_masters(group, fused, *tensors)
+        for p in params:
             # Hide the gradient so the optimizer's own step skips this parameter.
             hidden.append((p, p.grad))
             p.grad = None
+
+
+def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sqs, steps) -> None:
+    """Step the FP32 ``masters`` with ``grads`` and round them into ``params``."""
+    hyper = {
+        "lr": group["lr"],
+        "betas": group["betas"],
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+    }
+    if fused and not isinstance(hyper["lr"], torch.Tensor):
+        from litegen.kernels import master_adamw
+
+        if master_adamw.servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
+            master_adamw.adamw_master_step(
+                params, grads, masters, exp_avgs, exp_avg_sqs, steps, **hyper
+            )
+            return
+    grads32 = [torch.empty_like(m) for m in masters]
+    # Multi-tensor copies (casting): one pair of kernels per few hundred tensors on CUDA.
+    torch._foreach_copy_(grads32, grads)
+    adam(
+        masters,
+        grads32,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        foreach=bool(group.get("foreach")),
+        fused=fused or None,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=hyper["betas"][0],
+        beta2=hyper["betas"][1],
+        lr=hyper["lr"],
+        weight_decay=hyper["weight_decay"],
+        eps=hyper["eps"],
+        maximize=False,
+    )
+    torch._foreach_copy_(params, masters)  # round to nearest into bf16/fp16
 
 
 def _restore_grads(optimizer, args, kwargs) -> None:

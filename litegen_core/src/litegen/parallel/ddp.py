@@ -8,6 +8,7 @@ single-GPU script would leave it.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from typing import ClassVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -19,6 +20,8 @@ class DDPStrategy(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` around the trainable model."""
 
     name = "ddp"
+    # Every rank steps the whole model, so every rank keeps every master (no sharding needed).
+    master_weights: ClassVar[bool] = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.plan.device)
