@@ -8,6 +8,12 @@ not the two a GELU MLP needs for training, which keep the activation out of its 
 * ``DGELU``: ``grad_pre = (grad_y @ w2) * gelu'(pre)``, the gradient through the second linear
   layer and the GELU.
 
+Each shape's plan asks cuBLASLt's heuristic for up to 8 algorithms and, on its first call,
+times them all and keeps the fastest: the heuristic's first choice for ``DGELU`` measured 3-9%
+slower than the best candidate (docs/benchmarks.md). Like ``torch.backends.cudnn.benchmark``,
+this makes the chosen kernel, and so the last bits of the result, depend on timing; set
+``TIME_CANDIDATES = False`` for the heuristic's choice.
+
 cuBLASLt is column-major, so a row-major ``(rows, cols)`` tensor is passed as its transpose.
 Both functions return ``None`` for a call cuBLASLt cannot serve (CPU, fp32, mixed dtypes,
 non-contiguous or misaligned inputs, no algorithm for the shape), and the caller falls back to
@@ -36,6 +42,11 @@ _COMPUTE_32F, _R_32F = 68, 0
 _STATUS_NOT_SUPPORTED = 15
 _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}
 _WORKSPACE_BYTES = 32 * 2**20
+# Algorithms asked of the heuristic per plan; all are timed on the first call. 10 runs each
+# (about 50 ms per plan at workload C's shapes) keep run-to-run noise out of the choice.
+_CANDIDATES, _TIMED_RUNS = 8, 10
+# False: take the heuristic's first algorithm untimed (bench_gelu_mlp.py compares the two).
+TIME_CANDIDATES = True
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -94,7 +105,10 @@ def _set(desc: ctypes.c_void_p, attribute: int, value: ctypes._SimpleCData) -> N
 
 
 class _Plan:
-    """Descriptors and the chosen algorithm for one GEMM shape and epilogue (built once)."""
+    """Descriptors and candidate algorithms for one GEMM shape and epilogue (built once).
+
+    ``algo`` is the candidate chosen on the first call (:func:`_matmul` times them all).
+    """
 
     def __init__(self, key: tuple) -> None:
         device_index, dtype, epilogue, transa, m, n, k, lda, ldb, ldd, align_a, align_b = key
@@ -131,15 +145,18 @@ class _Plan:
                 pref, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))
             )
             _check(status, f"cublasLtMatmulPreferenceSetAttribute({attribute})")
-        self.result = _HeuristicResult()
+        self.results = (_HeuristicResult * _CANDIDATES)()
         found = ctypes.c_int(0)
         a, b, d = self.layouts
         status = lib.cublasLtMatmulAlgoGetHeuristic(
-            _handle(device_index), self.desc, a, b, d, d, pref, 1,
-            ctypes.byref(self.result), ctypes.byref(found),
+            _handle(device_index), self.desc, a, b, d, d, pref, _CANDIDATES,
+            self.results, ctypes.byref(found),
         )  # fmt: skip
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        self.usable = status == 0 and found.value > 0
+        count = found.value if status == 0 else 0
+        self.candidates = [self.results[i] for i in range(count) if self.results[i].state == 0]
+        self.usable = bool(self.candidates)
+        self.algo: _HeuristicResult | None = None
 
     def __del__(self) -> None:  # evicted from the plan cache
         try:
@@ -202,18 +219,48 @@ def _matmul(
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     layout_a, layout_b, layout_d = plan.layouts
     stream = torch.cuda.current_stream(d.device).cuda_stream
-    status = _library().cublasLtMatmul(
-        _handle(device_index), plan.desc, ctypes.byref(alpha),
-        ctypes.c_void_p(a.data_ptr()), layout_a, ctypes.c_void_p(b.data_ptr()), layout_b,
-        ctypes.byref(beta), ctypes.c_void_p(d.data_ptr()), layout_d,
-        ctypes.c_void_p(d.data_ptr()), layout_d, ctypes.byref(plan.result.algo),
-        ctypes.c_void_p(_workspace(device_index, stream).data_ptr()),
-        ctypes.c_size_t(_WORKSPACE_BYTES), ctypes.c_void_p(stream),
-    )  # fmt: skip
+    workspace = _workspace(device_index, stream).data_ptr()
+
+    def launch(result: _HeuristicResult) -> int:
+        return _library().cublasLtMatmul(
+            _handle(device_index), plan.desc, ctypes.byref(alpha),
+            ctypes.c_void_p(a.data_ptr()), layout_a, ctypes.c_void_p(b.data_ptr()), layout_b,
+            ctypes.byref(beta), ctypes.c_void_p(d.data_ptr()), layout_d,
+            ctypes.c_void_p(d.data_ptr()), layout_d, ctypes.byref(result.algo),
+            ctypes.c_void_p(workspace), ctypes.c_size_t(_WORKSPACE_BYTES),
+            ctypes.c_void_p(stream),
+        )  # fmt: skip
+
+    if plan.algo is None:
+        plan.algo = _fastest(plan.candidates, launch)
+    status = launch(plan.algo)
     if status == _STATUS_NOT_SUPPORTED:
         return False
     _check(status, "cublasLtMatmul")
     return True
+
+
+def _fastest(candidates: list[_HeuristicResult], launch) -> _HeuristicResult:
+    """The candidate that runs this call fastest (timed over a few runs, after a warm-up run).
+
+    The heuristic's first choice is not always the fastest for epilogue GEMMs. Timing needs a
+    synchronisation, so it happens once per plan, and never while a CUDA graph is captured.
+    """
+    if not TIME_CANDIDATES or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    best, best_ms = candidates[0], float("inf")
+    for candidate in candidates:
+        if launch(candidate) != 0:  # warm-up; a candidate that fails is skipped
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(_TIMED_RUNS):
+            launch(candidate)
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) < best_ms:
+            best, best_ms = candidate, start.elapsed_time(end)
+    return best
 
 
 def gelu_aux_bias(

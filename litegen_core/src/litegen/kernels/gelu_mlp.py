@@ -60,9 +60,10 @@ def gelu_mlp_backward(
     if grad_pre is None:
         grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
     # b1's gradient as a plain sum: cuBLASLt's DGELU_BGRAD epilogue, which would add it, ran as a
-    # separate kernel, 2.6x slower than DGELU and this sum together (docs/benchmarks.md).
-    grad_b1 = grad_pre.sum(0)
-    return grad_pre @ w1, grad_pre.t() @ x, grad_b1, grad_y.t() @ h, grad_y.sum(0)
+    # separate kernel, 2.6x slower than DGELU and this sum together, and BGRADB, which adds the
+    # bias gradients to the weight gradients' GEMMs, was slower than the sums too
+    # (docs/benchmarks.md).
+    return grad_pre @ w1, grad_pre.t() @ x, grad_pre.sum(0), grad_y.t() @ h, grad_y.sum(0)
 
 
 @gelu_mlp_backward.register_fake
