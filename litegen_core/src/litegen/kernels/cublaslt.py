@@ -9,7 +9,7 @@ not the two a GELU MLP needs for training, which keep the activation out of its 
   layer and the GELU.
 
 Each shape's plan asks cuBLASLt's heuristic for up to 8 algorithms and, on its first call,
-times them all and keeps the fastest: the heuristic's first choice for ``DGELU`` measured 3-9%
+times them all and keeps the fastest: the heuristic's first choice for ``DGELU`` measured 3-10%
 slower than the best candidate (docs/benchmarks.md). Like ``torch.backends.cudnn.benchmark``,
 this makes the chosen kernel, and so the last bits of the result, depend on timing; set
 ``TIME_CANDIDATES = False`` for the heuristic's choice.
