@@ -29,6 +29,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,23 +43,29 @@ from litegen.memory.checkpointing import POLICY_CONTEXTS
 from litegen.utils.config import CompileConfig, MemoryConfig
 
 GIB = 2**30
-# name -> (checkpointing enabled, selective_ratio, policy, offload)
-CASES: dict[str, tuple[bool, float, str, bool]] = {
-    "none": (False, 1.0, "block", False),
-    "full": (True, 0.0, "block", False),
-    "selective_0.25": (True, 0.25, "block", False),
-    "selective_0.5": (True, 0.5, "block", False),
-    "selective_0.75": (True, 0.75, "block", False),
-    "ops": (True, 0.0, "ops", False),
-    "ops_lean": (True, 0.0, "ops_lean", False),
-    "full_offload": (True, 0.0, "block", True),
-    **{f"budget_{b}": (True, 0.0, "memory_budget", False) for b in ("0.5", "0.3", "0.1")},
+
+
+class Case(NamedTuple):
+    """One memory setting: checkpointing on or off, its ratio and policy, offload, budget."""
+
+    checkpoint: bool
+    ratio: float
+    policy: str
+    offload: bool = False
+    budget: float | None = None  # policy memory_budget: compile's partitioner decides
+
+
+CASES: dict[str, Case] = {
+    "none": Case(False, 1.0, "block"),
+    "full": Case(True, 0.0, "block"),
+    "selective_0.25": Case(True, 0.25, "block"),
+    "selective_0.5": Case(True, 0.5, "block"),
+    "selective_0.75": Case(True, 0.75, "block"),
+    "ops": Case(True, 0.0, "ops"),
+    "ops_lean": Case(True, 0.0, "ops_lean"),
+    "full_offload": Case(True, 0.0, "block", offload=True),
+    **{f"budget_{b}": Case(True, 0.0, "memory_budget", budget=b) for b in (0.5, 0.3, 0.1)},
 }
-
-
-def budget_of(case: str) -> float | None:
-    """The memory budget of a ``budget_*`` case, else None."""
-    return float(case.removeprefix("budget_")) if case.startswith("budget_") else None
 
 
 def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: bool = False):
@@ -69,8 +76,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
     """
     torch.manual_seed(0)
     model = DiT(cfg).to(device)
-    enabled, ratio, policy, offload = CASES[case]
-    budget = budget_of(case)
+    enabled, ratio, policy, offload, budget = CASES[case]
     offloader = None
     if impl == "litegen":
         memory = MemoryConfig.model_validate(
@@ -119,7 +125,7 @@ def train_step(model, optimizer, batch, device: torch.device) -> None:
 
 
 def measure(args, cfg: DiTConfig, case: str, impl: str, device: torch.device) -> dict:
-    budget = budget_of(case)
+    budget = CASES[case].budget
     if impl == "hand" and budget is not None:  # what a user sets by hand: the global config
         with torch._functorch.config.patch(activation_memory_budget=budget):
             return _measure(args, cfg, case, impl, device)
@@ -257,8 +263,8 @@ def main() -> None:
         args.tokens, args.batch, args.warmup, args.repeats = 64, 2, 1, 2
         args.seq_start, args.seq_cap, args.seq_step = 64, 256, 32
     if args.cases is None:
-        args.cases = [c for c in CASES if args.compile or budget_of(c) is None]
-    if not args.compile and any(budget_of(c) is not None for c in args.cases):
+        args.cases = [c for c in CASES if args.compile or CASES[c].budget is None]
+    if not args.compile and any(CASES[c].budget is not None for c in args.cases):
         parser.error("the budget_* cases are carried out by torch.compile; add --compile")
     cfg = DiTConfig.tiny() if args.tiny else DiTConfig()
     device = torch.device(args.device)

@@ -190,6 +190,23 @@ def test_under_autocast_it_computes_in_the_autocast_dtype_with_fp32_gradients():
     assert all(p.grad.dtype == torch.float32 for p in fused.parameters())
 
 
+def test_under_autocast_it_matches_the_unfused_mlp_under_autocast():
+    # The op casts its parameters as nn.Linear does under autocast, so outputs, input gradients
+    # and parameter gradients agree with the unfused module's, not just their dtypes.
+    torch.manual_seed(0)
+    reference = sequential_mlp()
+    fused = copy.deepcopy(reference)
+    apply_fused_gelu_mlp(fused)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref_dx, ref_grads = grads_of(reference, x)
+        dx, grads = grads_of(fused, x)
+    assert ref_grads["loss"] != 0
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
 def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path):
     config = MainConfig.from_dict(
         {
