@@ -63,7 +63,7 @@ def main() -> None:
     # The fused rows above ran the fastest of cuBLASLt's candidate algorithms; these take the
     # heuristic's first choice, as cuBLASLt would unasked.
     cublaslt.TIME_CANDIDATES = False
-    cublaslt._plan.cache_clear()
+    cublaslt.clear_plans()
     for name, fn in rows.items():
         if "fused" in name:
             print(f"{ms_per_call(fn, device, calls=20):8.3f} ms  {name}, heuristic's first choice")

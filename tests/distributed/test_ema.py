@@ -57,7 +57,10 @@ def train_with_reference(strategy: str, extra: dict | None = None) -> dict:
     ema = gen.full_ema_state()
     assert set(ema) == set(reference), (sorted(ema)[:3], sorted(reference)[:3])
     n_params = sum(p.numel() for p in reference.values())
+    entry = gen.models[0]
+    optim = entry.strategy.full_optimizer_state(optimizer, model)
     return {
+        "masters": sum("master" in state for state in optim.get("state", {}).values()),
         "ema": ema,
         "reference": reference,
         "local_bytes": gen.ema.local_bytes(),
@@ -99,6 +102,7 @@ def test_ema_follows_fp32_master_weights(strategy):
         }
     }
     (result, _) = run_ranks(train_with_reference, 2, strategy, extra)
+    assert result["masters"] == len(result["reference"])  # every parameter has one
     for name, value in result["reference"].items():
         torch.testing.assert_close(result["ema"][name], value, rtol=1e-6, atol=1e-7)
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import yaml
 
-from litegen.parallel import STRATEGIES
 from tests.distributed.harness import RankError, run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model
 from tests.distributed.test_launch import finish, litegen
@@ -93,22 +92,11 @@ def stop_and_resume(strategy: str, tmp: str, masters: bool = False) -> dict:
     return out
 
 
-def zero1_mark():
-    # zero1 is being written; until it is registered this fails loudly (strict xfail) and is
-    # picked up as a normal test the moment STRATEGIES lists it.
-    return pytest.mark.xfail(
-        "zero1" not in STRATEGIES,
-        reason="zero1 is not registered in litegen.parallel.STRATEGIES yet",
-        raises=RankError,
-        strict=True,
-    )
-
-
 @pytest.mark.parametrize(
     ("strategy", "masters"),
     [
         ("ddp", False),
-        pytest.param("zero1", False, marks=zero1_mark()),
+        ("zero1", False),
         ("fsdp2", False),
         # bf16 parameters, FP32 masters in the optimizer state
         ("ddp", True),

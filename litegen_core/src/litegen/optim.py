@@ -139,10 +139,14 @@ def _keep_fp32_state(optimizer, state_dict: dict) -> None:
     kept = {}
     for saved_id, p in zip(saved_ids, params, strict=False):
         state = state_dict["state"].get(saved_id, {})
-        fp32 = {k: state[k] for k in ("master", *_MOMENTS) if k in state}
-        if p.dtype in _LOW_PRECISION and all(v.dtype == torch.float32 for v in fp32.values()):
+        fp32 = {
+            key: state[key]
+            for key in ("master", *_MOMENTS)
+            if key in state and state[key].dtype == torch.float32
+        }
+        if p.dtype in _LOW_PRECISION and fp32:
             kept[p] = fp32
-    optimizer._litegen_fp32_state = kept
+    optimizer._litegen_fp32_state = kept  # replaces what a failed earlier load left
 
 
 def _restore_fp32_state(optimizer) -> None:
@@ -175,8 +179,9 @@ def _master_state(optimizer, p: torch.Tensor, fused: bool) -> dict:
     local = _local(p.detach())
     if "master" not in state:
         state["master"] = _like(p, local.float().clone())
-    for key in _MOMENTS:
-        # FP32 moments; a state loaded from a run without masters may hold bf16 ones.
+    for key in ("master", *_MOMENTS):
+        # FP32 state; one loaded from a run without masters may hold bf16 moments (and a
+        # low-precision master, from elsewhere, continues in FP32 from its rounded value).
         if key not in state:
             state[key] = _like(p, torch.zeros_like(local, dtype=torch.float32))
         elif state[key].dtype != torch.float32:
@@ -220,18 +225,12 @@ def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sq
     """Step the FP32 ``masters`` with ``grads`` and round them into ``params``."""
     hyper = {
         "lr": group["lr"],
-        "betas": group["betas"],
+        "betas": tuple(group["betas"]),
         "eps": group["eps"],
         "weight_decay": group["weight_decay"],
     }
-    if fused and not isinstance(hyper["lr"], torch.Tensor):
-        from litegen.kernels import master_adamw
-
-        if master_adamw.servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
-            master_adamw.adamw_master_step(
-                params, grads, masters, exp_avgs, exp_avg_sqs, steps, **hyper
-            )
-            return
+    if fused and _one_pass_kernel(hyper, params, grads, masters, exp_avgs, exp_avg_sqs, steps):
+        return
     grads32 = [torch.empty_like(m) for m in masters]
     # Multi-tensor copies (casting): one pair of kernels per few hundred tensors on CUDA.
     torch._foreach_copy_(grads32, grads)
@@ -254,6 +253,21 @@ def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sq
         maximize=False,
     )
     torch._foreach_copy_(params, masters)  # round to nearest into bf16/fp16
+
+
+def _one_pass_kernel(hyper: dict, *tensor_lists: list[torch.Tensor]) -> bool:
+    """Run the Triton master AdamW when it can serve the group; False to use torch's."""
+    numbers = (hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    if not all(isinstance(v, (int, float)) for v in numbers):  # e.g. a tensor learning rate
+        return False
+    try:
+        from litegen.kernels import master_adamw
+    except ImportError:  # no Triton (it ships with torch's CUDA wheels on Linux)
+        return False
+    if not master_adamw.servable(*tensor_lists):
+        return False
+    master_adamw.adamw_master_step(*tensor_lists, **hyper)
+    return True
 
 
 def _restore_grads(optimizer, args, kwargs) -> None:

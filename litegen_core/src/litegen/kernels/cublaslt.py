@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -43,9 +44,11 @@ _STATUS_NOT_SUPPORTED = 15
 _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}
 _WORKSPACE_BYTES = 32 * 2**20
 # Algorithms asked of the heuristic per plan; all are timed on the first call. 10 runs each
-# (about 50 ms per plan at workload C's shapes) keep run-to-run noise out of the choice.
+# (about 50 ms per plan at workload C's shapes): with 3, a forward plan once kept a candidate
+# 3% slower than the heuristic's.
 _CANDIDATES, _TIMED_RUNS = 8, 10
-# False: take the heuristic's first algorithm untimed (bench_gelu_mlp.py compares the two).
+# False: take the heuristic's first algorithm untimed. Read when a plan makes its choice, so
+# set it before the first call, or call clear_plans() (bench_gelu_mlp.py compares the two).
 TIME_CANDIDATES = True
 
 
@@ -157,6 +160,9 @@ class _Plan:
         self.candidates = [self.results[i] for i in range(count) if self.results[i].state == 0]
         self.usable = bool(self.candidates)
         self.algo: _HeuristicResult | None = None
+        # The bias and aux pointers live in the shared descriptor: one call at a time sets
+        # them and launches (autograd's backward thread and the forward's may share a plan).
+        self.lock = threading.Lock()
 
     def __del__(self) -> None:  # evicted from the plan cache
         try:
@@ -213,9 +219,6 @@ def _matmul(
     plan = _plan(key)
     if not plan.usable:
         return False
-    if bias is not None:
-        _set(plan.desc, _BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-    _set(plan.desc, _AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     layout_a, layout_b, layout_d = plan.layouts
     stream = torch.cuda.current_stream(d.device).cuda_stream
@@ -231,9 +234,14 @@ def _matmul(
             ctypes.c_void_p(stream),
         )  # fmt: skip
 
-    if plan.algo is None:
-        plan.algo = _fastest(plan.candidates, launch)
-    status = launch(plan.algo)
+    with plan.lock:
+        if bias is not None:
+            _set(plan.desc, _BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        _set(plan.desc, _AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
+        if plan.algo is None:
+            with torch.cuda.device(d.device):  # events and the capture check: d's stream
+                plan.algo = _fastest(plan.candidates, launch)
+        status = launch(plan.algo)
     if status == _STATUS_NOT_SUPPORTED:
         return False
     _check(status, "cublasLtMatmul")
@@ -261,6 +269,16 @@ def _fastest(candidates: list[_HeuristicResult], launch) -> _HeuristicResult:
         if start.elapsed_time(end) < best_ms:
             best, best_ms = candidate, start.elapsed_time(end)
     return best
+
+
+def clear_plans() -> None:
+    """Forget every plan (descriptors and chosen algorithms); the next calls choose again.
+
+    Example:
+        >>> cublaslt.TIME_CANDIDATES = False  # doctest: +SKIP
+        >>> cublaslt.clear_plans()  # the heuristic's first choice from now on
+    """
+    _plan.cache_clear()
 
 
 def gelu_aux_bias(
@@ -307,4 +325,4 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
     return grad_pre if done else None
 
 
-__all__ = ["dgelu", "gelu_aux_bias"]
+__all__ = ["clear_plans", "dgelu", "gelu_aux_bias"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _BLOCK = 4096
 
@@ -44,8 +45,10 @@ def _adamw_master_kernel(
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     step = tl.load(step_ptr)
-    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+    # libdevice's pow is exact to an ulp; exp2 of a log2 would be approximate, and 1 - beta2**t
+    # cancels most of its digits early in training.
+    bias_correction1 = 1.0 - libdevice.pow(beta1, step)
+    bias_correction2_sqrt = tl.sqrt(1.0 - libdevice.pow(beta2, step))
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     master = tl.load(master_ptr + offsets, mask=mask)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
@@ -61,9 +64,31 @@ def _adamw_master_kernel(
     tl.store(param_ptr + offsets, master.to(param_ptr.dtype.element_ty), mask=mask)
 
 
-def servable(*tensor_lists: list[torch.Tensor]) -> bool:
-    """True when every tensor is a contiguous CUDA tensor (what the kernel indexes flat)."""
-    return all(t.is_cuda and t.is_contiguous() for tensors in tensor_lists for t in tensors)
+def servable(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    masters: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> bool:
+    """True when the kernel can step these lists (the arguments of :func:`adamw_master_step`).
+
+    It indexes every tensor of a parameter flat: all must be contiguous CUDA tensors of the
+    parameter's size, the master, moments and step FP32.
+
+    Example:
+        >>> servable([p], [p.grad], [master], [m], [v], [step])  # doctest: +SKIP
+        True
+    """
+    for p, *others, step in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True):
+        tensors = (p, *others)
+        if not all(t.is_cuda and t.is_contiguous() and t.numel() == p.numel() for t in tensors):
+            return False
+        fp32 = (*others[1:], step)
+        if not (step.is_cuda and all(t.dtype == torch.float32 for t in fp32)):
+            return False
+    return True
 
 
 @torch.no_grad()
@@ -86,7 +111,11 @@ def adamw_master_step(
         >>> adamw_master_step([p], [p.grad], [master], [m], [v], [step], lr=1e-4,
         ...                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # doctest: +SKIP
     """
-    assert servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps)
+    if not servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
+        raise ValueError(
+            "adamw_master_step needs contiguous CUDA tensors of each parameter's size, with FP32 "
+            "masters, moments and steps; check servable() first and use torch's AdamW otherwise."
+        )
     torch._foreach_add_(steps, 1.0)
     for param, grad, master, exp_avg, exp_avg_sq, step in zip(
         params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True
