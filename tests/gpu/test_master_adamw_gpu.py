@@ -74,7 +74,10 @@ def test_one_pass_master_adamw_matches_torchs_adamw_on_the_masters(monkeypatch):
         assert ref_update.abs().max() > 1e-2
         torch.testing.assert_close(update, ref_update, rtol=1e-4, atol=1e-6)  # ~2 ulps at 4
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-12)
+            # Absolute to the moment's scale: where a moment cancels to near zero, the two
+            # paths' different fp32 roundings (mul-add against torch's lerp) are all that is left.
+            scale = ref_state[key].abs().max().item()
+            torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6 * scale)
         assert torch.equal(p, state["master"].to(torch.bfloat16))  # the parameter is its rounding
 
 

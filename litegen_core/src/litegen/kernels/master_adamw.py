@@ -38,8 +38,10 @@ def _adamw_master_kernel(
     lr,
     beta1,
     beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    decay,
     eps,
-    weight_decay,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -53,9 +55,9 @@ def _adamw_master_kernel(
     master = tl.load(master_ptr + offsets, mask=mask)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
-    master = master * (1.0 - lr * weight_decay)
-    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    master = master * decay
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
     denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
     master = master - (lr / bias_correction1) * exp_avg / denom
     tl.store(master_ptr + offsets, master, mask=mask)
@@ -117,14 +119,17 @@ def adamw_master_step(
             "masters, moments and steps; check servable() first and use torch's AdamW otherwise."
         )
     torch._foreach_add_(steps, 1.0)
+    # 1 - beta and 1 - lr * wd in double precision, as torch computes them: in fp32, 1 - 0.999
+    # is off by 1.3e-5 (0.999 has no exact fp32 form).
+    beta1, beta2 = betas
+    scalars = (lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, eps)
     for param, grad, master, exp_avg, exp_avg_sq, step in zip(
         params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True
     ):
         numel = param.numel()
         with torch.cuda.device(param.device):
             _adamw_master_kernel[(triton.cdiv(numel, _BLOCK),)](
-                param, grad, master, exp_avg, exp_avg_sq, step, numel,
-                lr, betas[0], betas[1], eps, weight_decay,
+                param, grad, master, exp_avg, exp_avg_sq, step, numel, *scalars,
                 BLOCK=_BLOCK, num_warps=8,
             )  # fmt: skip
 
