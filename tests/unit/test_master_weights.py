@@ -38,6 +38,16 @@ def trained(steps: int = 2, masters: bool = True):
     return params, optimizer
 
 
+def resumed(params, optimizer) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """A fresh model and optimizer (with masters) that took ``optimizer``'s state and weights."""
+    new_params, loaded = make()
+    loaded.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    with torch.no_grad():
+        for p, q in zip(new_params, params, strict=True):
+            p.copy_(q)
+    return new_params, loaded
+
+
 def test_masters_and_moments_load_back_in_fp32_exactly():
     _, optimizer = trained()
     saved = copy.deepcopy(optimizer.state_dict())
@@ -53,24 +63,14 @@ def test_masters_and_moments_load_back_in_fp32_exactly():
 
 def test_training_continues_exactly_after_a_load():
     straight_params, _ = trained(steps=3)
-    params, optimizer = trained(steps=2)
-    new_params, loaded = make()
-    loaded.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    with torch.no_grad():
-        for p, q in zip(new_params, params, strict=True):
-            p.copy_(q)
+    new_params, loaded = resumed(*trained(steps=2))
     step(new_params, loaded, seed=2)
     for p, q in zip(new_params, straight_params, strict=True):
         assert torch.equal(p, q)
 
 
 def test_a_state_saved_without_masters_gets_fp32_masters_and_moments():
-    params, plain = trained(masters=False)
-    new_params, loaded = make()
-    loaded.load_state_dict(copy.deepcopy(plain.state_dict()))
-    with torch.no_grad():
-        for p, q in zip(new_params, params, strict=True):
-            p.copy_(q)
+    new_params, loaded = resumed(*trained(masters=False))
     step(new_params, loaded, seed=2)
     for p in new_params[:2]:
         state = loaded.state[p]
