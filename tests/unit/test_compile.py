@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from litegen.compile import compile_blocks, is_compiled, uncompile_blocks
+from litegen.compile import compile_blocks, inductor_options, is_compiled, uncompile_blocks
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import CompileConfig, MemoryConfig
 
@@ -184,6 +184,18 @@ def test_inductor_options_are_checked_by_name_and_type_and_exclude_mode():
         compile_blocks(make(), CompileConfig(enabled=True, options={"debug": "yes"}))
     with pytest.raises(ValueError, match=r"only with mode: default"):
         compile_blocks(make(), CompileConfig(enabled=True, mode="max-autotune", options=options))
+
+
+def test_nested_inductor_options_become_dotted_names():
+    nested = {"triton": {"tile_reductions": True}, "post_grad_fusion_options": {}}
+    assert inductor_options(nested) == {
+        "triton.tile_reductions": True,
+        "post_grad_fusion_options": {},  # an option whose value is a dict stays whole
+    }
+    compiled = compile_blocks(make(), CompileConfig(enabled=True, options=nested))
+    assert compiled == ["blocks.0", "blocks.1", "blocks.2"]
+    with pytest.raises(ValueError, match=r"options: Unexpected optimization option triton.no"):
+        compile_blocks(make(), CompileConfig(enabled=True, options={"triton": {"no": 1}}))
 
 
 def test_mode_needs_inductor():

@@ -98,6 +98,34 @@ def is_compiled(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
+def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``optimization.compile.options`` with YAML's nested sections as inductor's dotted names.
+
+    ``{triton: {tile_reductions: true}}`` becomes ``{"triton.tile_reductions": True}``, the name
+    ``torch.compile(options=...)`` takes; an option whose value is itself a dict (say
+    ``post_grad_fusion_options``) is kept whole.
+
+    Example:
+        >>> inductor_options({"triton": {"tile_reductions": True}, "max_autotune_gemm": False})
+        {'triton.tile_reductions': True, 'max_autotune_gemm': False}
+    """
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+
+    def flatten(section: dict[str, Any], prefix: str) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in section.items():
+            name = prefix + key
+            if isinstance(value, dict) and name not in known:
+                flat.update(flatten(value, f"{name}."))
+            else:
+                flat[name] = value
+        return flat
+
+    return flatten(options, "")
+
+
 def compile_blocks(
     model: nn.Module,
     compile_cfg: Any,
@@ -143,7 +171,7 @@ def compile_blocks(
                 f"only with mode: default and the inductor backend (mode is {compile_cfg.mode!r});"
                 " set mode: default, or leave options empty."
             )
-        kwargs["options"] = dict(compile_cfg.options)
+        kwargs["options"] = inductor_options(compile_cfg.options)
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.

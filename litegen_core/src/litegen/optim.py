@@ -6,8 +6,9 @@
   (``state[p]["master"]``, with FP32 moments beside it), steps that copy with the gradient
   upcast to FP32, and writes the result back into the parameter rounded to nearest. Small
   updates that would vanish in bf16 accumulate in the master instead. With ``backend: fused``
-  (or ``AdamW(fused=True)``) on CUDA, one Triton kernel per parameter does all of that in one
-  pass (:mod:`litegen.kernels.master_adamw`); otherwise torch's AdamW steps the masters.
+  (or ``AdamW(fused=True)``) on CUDA, one Triton launch does all of that in one pass over
+  every parameter (:mod:`litegen.kernels.master_adamw`); otherwise torch's AdamW steps the
+  masters.
 
 The master step runs in an optimizer *step pre-hook*: it updates the low-precision parameters
 itself and hides their gradients, so the optimizer's own step only touches FP32 parameters. The
