@@ -124,7 +124,13 @@ class Trainer:
                 if autocast
                 else nullcontext()
             )
-            loss = self.train_step(batch, **self._step_kwargs(kwargs))
+            try:
+                loss = self.train_step(batch, **self._step_kwargs(kwargs))
+            except RuntimeError as exc:
+                hint = _cast_model_hint(self.config, exc)
+                if hint is None:
+                    raise
+                raise RuntimeError(f"{exc}\n{hint}") from exc
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(
                     f"train_step must return the loss as a scalar tensor, got {type(loss).__name__}"
@@ -308,6 +314,24 @@ class Trainer:
         self.gen.save_optimizer(step=step)
         if self.gen.ema is not None:
             self.gen.save_ema(step=step)
+
+
+def _cast_model_hint(config: MainConfig, exc: RuntimeError) -> str | None:
+    """The fix for a dtype mismatch that ``cast_model`` without autocast causes, if it may be one.
+
+    ``cast_model`` casts the parameters, not the batch, so FP32 inputs reach bf16 weights; torch
+    then names the operands' dtypes but not the setting behind them.
+    """
+    cast = config.optimization.precision.cast_model
+    message = str(exc)
+    mismatch = any(s in message for s in ("dtype", "scalar type", "should be the same"))
+    if cast in (None, "fp32") or config.trainer.autocast or not mismatch:
+        return None
+    return (
+        f"optimization.precision.cast_model is {cast}: it casts the model's parameters, not the "
+        f"batch. Set trainer.autocast: {cast}, which casts FP32 inputs in the forward, or cast "
+        "the inputs in train_step."
+    )
 
 
 def _keyword_filter(
