@@ -99,7 +99,7 @@ def test_a_saved_and_loaded_state_continues_like_an_uninterrupted_run():
         assert torch.equal(resumed.state[p]["master"], straight.state[q]["master"])
 
 
-def test_misaligned_or_strided_tensors_are_left_to_torch():
+def test_misaligned_tensors_step_like_aligned_ones_and_strided_ones_are_left_to_torch():
     from litegen.kernels import master_adamw
 
     flat = torch.zeros(4100, device="cuda")
@@ -107,6 +107,18 @@ def test_misaligned_or_strided_tensors_are_left_to_torch():
     step = torch.zeros((), device="cuda")
     lists = ([aligned.bfloat16()], [aligned.bfloat16()], [aligned], [aligned], [aligned], [step])
     assert master_adamw.servable(*lists)
-    assert not master_adamw.servable(*lists[:2], [misaligned], *lists[3:])
+    assert master_adamw.servable(*lists[:2], [misaligned], *lists[3:])  # a launch of its own
     strided = torch.zeros(8192, device="cuda")[::2]
     assert not master_adamw.servable(*lists[:2], [strided], *lists[3:])
+    grad = torch.randn(4096, device="cuda").bfloat16()
+    results = []
+    for master in (torch.empty(4096, device="cuda"), misaligned):
+        master.copy_(torch.linspace(-1, 1, 4096, device="cuda"))
+        param, moments = master.bfloat16(), [torch.zeros(4096, device="cuda") for _ in range(2)]
+        master_adamw.adamw_master_step(
+            [param], [grad], [master], *([m] for m in moments), [torch.zeros((), device="cuda")],
+            lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+        )  # fmt: skip
+        results.append((param, master.clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])

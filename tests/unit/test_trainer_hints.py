@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import litegen
-from litegen.trainer import Trainer
+from litegen.trainer import Trainer, _cast_model_hint
 from litegen.utils.config import MainConfig
 
 
@@ -51,3 +51,21 @@ def test_fp32_inputs_to_a_cast_model_name_the_setting_and_the_fix(tmp_path):
 
 def test_with_autocast_the_same_step_trains(tmp_path):
     fit(tmp_path, {"autocast": "bf16"})
+
+
+@pytest.mark.parametrize(
+    ("error", "hinted"),
+    [
+        (RuntimeError("Input type (float) and bias type (c10::BFloat16) should be the same"), True),
+        (RuntimeError("mat1 and mat2 must have the same dtype, but got Float and BFloat16"), True),
+        (RuntimeError("expected scalar type Long but found BFloat16"), False),  # e.g. targets
+        (NotImplementedError("float and BFloat16"), False),  # subclasses pass through untouched
+    ],
+)
+def test_only_float_against_the_cast_dtype_gets_the_hint(error, hinted):
+    config = MainConfig.from_dict({"optimization": {"precision": {"cast_model": "bf16"}}})
+    assert (_cast_model_hint(config, error) is not None) == hinted
+    with_autocast = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"autocast": "bf16"})}
+    )
+    assert _cast_model_hint(with_autocast, error) is None

@@ -5,8 +5,9 @@ With torch's kernels that takes three passes over memory: the gradient upcast to
 fused AdamW over the masters, and the copy back into the parameter, rounded. This kernel reads
 the low-precision gradient and writes the rounded parameter in the same pass that updates the
 master and the moments: 28 bytes moved per parameter instead of 40. Like torch's multi-tensor
-kernels, one launch steps every parameter of a device and dtype: its programs find their tensor
-through a table of addresses, so a model's hundreds of small biases do not each cost a launch.
+kernels, one launch steps every parameter of a device and dtype (tensors off a 16-byte boundary
+get a second one): its programs find their tensor through a table of addresses, so a model's
+hundreds of small biases do not each cost a launch.
 
 The update is torch's AdamW: decoupled weight decay, then bias-corrected moments. ``steps``
 are the optimizer's per-parameter step counters (FP32 tensors on the parameter's device, as
@@ -49,6 +50,7 @@ def _adamw_master_kernel(
     eps,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # Program i steps block blocks[i, 1] of tensor blocks[i, 0]. Column t of the table holds
@@ -57,16 +59,16 @@ def _adamw_master_kernel(
     start = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1).to(tl.int64) * BLOCK
     column = table_ptr + tensor
     numel = tl.load(column + 6 * n_tensors)
-    # 16: _ALIGNMENT_BYTES, which servable() checks.
-    param_ptr = tl.multiple_of(tl.load(column).to(tl.pointer_type(PARAM_DTYPE)), 16)
-    grad_ptr = tl.multiple_of(tl.load(column + n_tensors).to(tl.pointer_type(GRAD_DTYPE)), 16)
+    param_ptr = _pointer(column, PARAM_DTYPE, ALIGNED)
+    grad_ptr = _pointer(column + n_tensors, GRAD_DTYPE, ALIGNED)
+    master_ptr = _pointer(column + 2 * n_tensors, tl.float32, ALIGNED)
+    exp_avg_ptr = _pointer(column + 3 * n_tensors, tl.float32, ALIGNED)
+    exp_avg_sq_ptr = _pointer(column + 4 * n_tensors, tl.float32, ALIGNED)
     fp32 = tl.pointer_type(tl.float32)
-    master_ptr = tl.multiple_of(tl.load(column + 2 * n_tensors).to(fp32), 16)
-    exp_avg_ptr = tl.multiple_of(tl.load(column + 3 * n_tensors).to(fp32), 16)
-    exp_avg_sq_ptr = tl.multiple_of(tl.load(column + 4 * n_tensors).to(fp32), 16)
     step_ptr = tl.load(column + 5 * n_tensors).to(fp32)
-    # beta ** step as a double-precision exp2: 1 - beta2 ** step cancels most of its digits
-    # early in training, so an fp32 power would show in the update.
+    # beta ** step as an exp2 in double precision (of log2(beta) rounded to fp32, as Triton
+    # passes floats): 1 - beta2 ** step cancels most of its digits early in training, so an
+    # fp32 power would show in the update.
     step = tl.load(step_ptr).to(tl.float64)
     bias_correction1 = (1.0 - tl.exp2(step * log2_beta1)).to(tl.float32)
     bias_correction2 = (1.0 - tl.exp2(step * log2_beta2)).to(tl.float32)
@@ -81,6 +83,16 @@ def _adamw_master_kernel(
         _update(pointers, offsets, numel, hyper, decay, eps, MASKED=False)
     else:
         _update(pointers, offsets, numel, hyper, decay, eps, MASKED=True)
+
+
+@triton.jit
+def _pointer(address_ptr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer stored at ``address_ptr``; ALIGNED: every tensor of the launch is 16-byte
+    aligned (_ALIGNMENT_BYTES), which lets the loads and stores vectorize."""
+    pointer = tl.load(address_ptr).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
@@ -106,33 +118,40 @@ def _update(pointers, offsets, numel, hyper, decay, eps, MASKED: tl.constexpr):
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)  # one per optimizer group, dtype and device: a few, mostly
 def _block_table(numels: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
     """``(blocks, 2)`` int32 rows ``(tensor, block)``: the kernel's programs, cached per shape."""
     counts = torch.tensor([triton.cdiv(n, block) for n in numels])
     tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     index = torch.arange(len(tensor)) - first
-    return torch.stack([tensor, index], dim=1).to(device=device, dtype=torch.int32)
+    return _to_device(torch.stack([tensor, index], dim=1).to(torch.int32), device)
 
 
-def _launch(columns: list[list[torch.Tensor]], scalars: tuple[float, ...]) -> None:
-    """One kernel over ``columns`` (the six lists, same device and dtypes), steps incremented."""
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pinned, and copied without blocking, so the host does not wait for the GPU."""
+    if device.type == "cuda":
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
+
+
+def _launch(columns: list[list[torch.Tensor]], scalars: tuple[float, ...], aligned: bool) -> None:
+    """One kernel over ``columns``: the six lists, of one device and dtypes, with the steps
+    already incremented; ``aligned``: every address but the steps' is 16-byte aligned."""
     params, grads = columns[0], columns[1]
     device = params[0].device
     numels = tuple(p.numel() for p in params)
-    # The addresses change whenever a gradient is reallocated, so the table is rebuilt per step;
-    # pinned and copied without blocking, so the host does not wait for the GPU.
-    table = torch.tensor([[t.data_ptr() for t in c] for c in columns] + [list(numels)])
-    if device.type == "cuda":
-        table = table.pin_memory()
-    table = table.to(device, non_blocking=True)
+    # The addresses change whenever a gradient is reallocated, so the table is rebuilt per step.
+    table = [[t.data_ptr() for t in column] for column in columns] + [list(numels)]
+    table = _to_device(torch.tensor(table), device)
     blocks = _block_table(numels, device, _BLOCK)
+    if not len(blocks):  # only empty tensors: a launch of no programs is a CUDA error
+        return
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _adamw_master_kernel[(len(blocks),)](
             table, blocks, len(params), *scalars,
             PARAM_DTYPE=_TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=_TRITON_DTYPES[grads[0].dtype],
-            BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+            ALIGNED=aligned, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
@@ -146,9 +165,9 @@ def servable(
 ) -> bool:
     """True when the kernel can step these lists (the arguments of :func:`adamw_master_step`).
 
-    It indexes every tensor of a parameter flat, from addresses it takes to be 16-byte aligned:
-    all must be contiguous, aligned CUDA tensors of the parameter's size, the parameter and
-    gradient bf16, fp16 or FP32, the master, moments and step FP32.
+    It indexes every tensor of a parameter flat: all must be contiguous tensors of the
+    parameter's size on its CUDA device, the parameter and gradient bf16, fp16 or FP32, the
+    master, moments and step FP32.
 
     Example:
         >>> servable([p], [p.grad], [master], [m], [v], [step])  # doctest: +SKIP
@@ -158,13 +177,13 @@ def servable(
         params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True
     ):
         flat = (p, grad, *fp32)
-        if not all(t.is_cuda and t.is_contiguous() and t.numel() == p.numel() for t in flat):
+        if not all(t.is_contiguous() and t.numel() == p.numel() for t in flat):
             return False
-        if any(t.data_ptr() % _ALIGNMENT_BYTES for t in flat):
+        if not (p.is_cuda and all(t.device == p.device for t in (*flat, step))):
             return False
         if p.dtype not in _TRITON_DTYPES or grad.dtype not in _TRITON_DTYPES:
             return False
-        if not (step.is_cuda and all(t.dtype == torch.float32 for t in (*fp32, step))):
+        if not all(t.dtype == torch.float32 for t in (*fp32, step)):
             return False
     return True
 
@@ -191,9 +210,9 @@ def adamw_master_step(
     """
     if not servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
         raise ValueError(
-            "adamw_master_step needs contiguous, 16-byte aligned CUDA tensors of each parameter's "
-            "size, with FP32 masters, moments and steps; check servable() first and use torch's "
-            "AdamW otherwise."
+            "adamw_master_step needs contiguous tensors of each parameter's size on its CUDA "
+            "device, with FP32 masters, moments and steps; check servable() first and use "
+            "torch's AdamW otherwise."
         )
     _step_by_device_and_dtype(
         [params, grads, masters, exp_avgs, exp_avg_sqs, steps], lr, betas, eps, weight_decay
@@ -207,19 +226,23 @@ def _step_by_device_and_dtype(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """:func:`adamw_master_step` without its checks: one launch per device and dtype pair."""
+    """:func:`adamw_master_step` without its checks: one launch per device, dtypes, alignment."""
     steps = columns[-1]
     torch._foreach_add_(steps, 1.0)
     # 1 - beta and 1 - lr * wd in double precision, as torch computes them: in fp32, 1 - 0.999
     # is off by 1.3e-5 (0.999 has no exact fp32 form).
     beta1, beta2 = betas
-    scalars = (lr, beta1, beta2, math.log2(beta1), math.log2(beta2), 1.0 - beta1, 1.0 - beta2)
+    log2_beta1, log2_beta2 = (math.log2(b) if b > 0 else -math.inf for b in betas)  # 0 ** step
+    scalars = (lr, beta1, beta2, log2_beta1, log2_beta2, 1.0 - beta1, 1.0 - beta2)
     scalars += (1.0 - lr * weight_decay, eps)
     groups: dict[tuple, list[int]] = {}
     for i, (param, grad) in enumerate(zip(columns[0], columns[1], strict=True)):
-        groups.setdefault((param.device, param.dtype, grad.dtype), []).append(i)
-    for indices in groups.values():
-        _launch([[column[i] for i in indices] for column in columns], scalars)
+        # A tensor off a 16-byte boundary (a gradient in a DDP bucket after an odd-sized one)
+        # gets a launch of its own kind, so the aligned rest keeps its vectorized loads.
+        aligned = not any(column[i].data_ptr() % _ALIGNMENT_BYTES for column in columns[:5])
+        groups.setdefault((param.device, param.dtype, grad.dtype, aligned), []).append(i)
+    for (*_, aligned), indices in groups.items():
+        _launch([[column[i] for i in indices] for column in columns], scalars, aligned)
 
 
 __all__ = ["adamw_master_step", "servable"]
