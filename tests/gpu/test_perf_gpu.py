@@ -81,3 +81,42 @@ def test_peak_is_known_for_datacenter_gpus_and_the_counter_runs():
     with FlopCounter() as counter:
         layer(torch.randn(8, 64, device="cuda")).sum().backward()
     assert counter.flops == 2 * (2 * 8 * 64 * 64)  # forward and dW (the input needs no grad)
+
+
+class NormBlock(torch.nn.Module):
+    """A LayerNorm and a scale, as a DiT block starts; 1152 wide, DiT-XL's hidden size."""
+
+    def __init__(self, hidden: int = 1152) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.scale = torch.nn.Parameter(0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        return x + self.norm(x) * (1 + self.scale)
+
+
+def compile_norms(limit):
+    """Two compiled NormBlocks' bf16 output, forward kernels' code, and a gradient."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NormBlock(), NormBlock()).cuda()
+    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit), paths=["0", "1"])
+    x = torch.randn(4, 256, 1152, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        output, kernels = run_and_get_code(model, x)
+    model(x.float()).square().mean().backward()
+    return output, "\n".join(kernels), model[0].scale.grad
+
+
+def test_persistent_rows_compiles_forward_norms_in_one_pass():
+    # In this order, so that a compile cache shared between the settings would show.
+    looped, looped_code, looped_grad = compile_norms(None)
+    one_pass, one_pass_code, one_pass_grad = compile_norms(2048)
+    _, again_code, _ = compile_norms(None)
+    for code in (looped_code, again_code):
+        assert "triton_red_fused" in code and "triton_per_fused" not in code
+    assert "triton_per_fused" in one_pass_code and "triton_red_fused" not in one_pass_code
+    torch.testing.assert_close(one_pass, looped, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(one_pass_grad, looped_grad, rtol=1e-4, atol=1e-4)

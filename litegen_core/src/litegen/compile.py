@@ -22,6 +22,10 @@ resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on
 variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
 eagerly: use it only for fixed shapes.
 
+``persistent_rows``: inductor reduces rows of up to 1024 elements in one pass, longer ones in
+two; LiteGen can raise that limit for the blocks' forward graphs
+(:mod:`litegen.kernels.row_reductions`), again only around each call of a compiled block.
+
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
 activations to save and which to recompute. Below 1 it solves a knapsack over the block's ops:
@@ -71,6 +75,7 @@ class _CompiledForward:
         patched: bool,
         memory_budget: float | None = None,
         is_block: bool = True,
+        choices: Any = None,
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
@@ -78,11 +83,12 @@ class _CompiledForward:
         self.memory_budget = memory_budget
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
+        self.choices = choices  # inductor heuristics for this block's graphs, or None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Both settings are read while Dynamo and AOTAutograd compile the block, which happens
-        # inside this call on its first run and on every recompile (module docstring). Each is
-        # set only where it applies, so that elsewhere the call stays plain for an outer
+        # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
+        # happens inside this call on its first run and on every recompile (module docstring).
+        # Each is set only where it applies, so that elsewhere the call stays plain for an outer
         # ``torch.compile``.
         with ExitStack() as settings:
             if self.is_block and DistributedDataParallel._get_active_ddp_module() is not None:
@@ -90,6 +96,16 @@ class _CompiledForward:
             if self.memory_budget is not None:
                 budget = {"activation_memory_budget": self.memory_budget}
                 settings.enter_context(torch._functorch.config.patch(**budget))
+            if self.choices is not None:
+                from torch._inductor.virtualized import V
+
+                settings.enter_context(V.set_choices_handler(self.choices))
+                # Inductor's and AOTAutograd's compile caches key on their config, not on the
+                # heuristics: they would hand back graphs compiled without ours, and hand ours
+                # to compiles without them.
+                settings.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+                autograd_cache = {"enable_autograd_cache": False}
+                settings.enter_context(torch._functorch.config.patch(**autograd_cache))
             return self.compiled(*args, **kwargs)
 
 
@@ -137,7 +153,7 @@ def compile_blocks(
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
     ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``,
-    ``options``). ``paths`` overrides the blocks (default: :func:`litegen.memory.repeated_blocks`;
+    ``options``, ``persistent_rows``). ``paths`` overrides the blocks (default: :func:`litegen.memory.repeated_blocks`;
     the whole model's ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"``
     skips inductor's C++/Triton code generation); runs use inductor. ``memory_budget`` in
     [0, 1] bounds what each compiled block saves for backward (module docstring); ``None``
@@ -173,6 +189,11 @@ def compile_blocks(
                 " set mode: default, or leave options empty."
             )
         kwargs["options"] = inductor_options(compile_cfg.options)
+    choices = None
+    if compile_cfg.persistent_rows is not None:  # read by inductor only; other backends skip it
+        from litegen.kernels.row_reductions import PersistentRows
+
+        choices = PersistentRows(compile_cfg.persistent_rows)
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
@@ -195,7 +216,7 @@ def compile_blocks(
                 "torch._inductor.config."
             ) from exc
         module.forward = _CompiledForward(
-            original, compiled, patched, memory_budget, is_block=bool(path)
+            original, compiled, patched, memory_budget, is_block=bool(path), choices=choices
         )
         done.append(path)
     return done

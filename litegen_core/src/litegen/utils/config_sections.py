@@ -116,6 +116,9 @@ class CompileConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Inductor options passed as ``torch.compile(options=...)``, e.g.
     ``coordinate_descent_tuning: true``; torch allows them only with ``mode: default``."""
+    persistent_rows: int | None = Field(None, ge=1)
+    """Forward row reductions (norms) up to this many elements compile as one-pass (persistent)
+    Triton kernels; ``None`` keeps inductor's limit, 1024. 2048 covers DiT-XL's 1152."""
 
 
 class ActivationCheckpointConfig(Section):

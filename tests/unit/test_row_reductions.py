@@ -1,0 +1,112 @@
+"""``optimization.compile.persistent_rows``: which reductions inductor is told to run in one pass.
+
+The heuristic is checked against inductor's own on the same inputs; that the generated kernels
+change (and compute the same) is checked on CUDA in ``tests/gpu/test_perf_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import sympy
+import torch
+from torch import nn
+from torch._inductor import config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.sizevars import SizeVarAllocator
+from torch._inductor.virtualized import V
+
+from litegen.compile import compile_blocks
+from litegen.kernels.row_reductions import PersistentRows
+from litegen.utils.config import CompileConfig, MainConfig
+
+
+class Features:
+    """What the heuristics read from inductor's ``SIMDKernelFeatures``: rows of ``numel``."""
+
+    def __init__(self, numel: int, hint: ReductionHint) -> None:
+        self.reduction_numel = sympy.Integer(numel)  # a static size, as inductor has it
+        self.numel = sympy.Integer(32768)  # rows
+        self.hint = hint
+
+    def get_reduction_hint(self) -> ReductionHint:
+        return self.hint
+
+
+def decide(features: Features, *, backward: bool = False, cooperative: bool = False):
+    """(LiteGen's choice, inductor's choice) inside a stand-in for a graph being lowered."""
+    graph = SimpleNamespace(is_backward=backward, sizevars=SizeVarAllocator())
+    with V.set_graph_handler(graph):
+        ours = PersistentRows(2048).should_use_persistent_reduction(features, cooperative)
+        theirs = InductorChoices.should_use_persistent_reduction(features, cooperative)
+    return ours, theirs
+
+
+def test_forward_rows_up_to_the_limit_become_persistent():
+    for hint in (ReductionHint.INNER, ReductionHint.DEFAULT):
+        assert decide(Features(1152, hint)) == (True, False)
+        assert decide(Features(2048, hint)) == (True, False)
+    assert decide(Features(512, ReductionHint.INNER)) == (True, True)  # inductor's limit: 1024
+
+
+@pytest.mark.parametrize(
+    "features, kwargs",
+    [
+        (Features(1152, ReductionHint.INNER), {"backward": True}),
+        (Features(1152, ReductionHint.OUTER), {}),
+        (Features(1152, ReductionHint.OUTER_TINY), {}),
+        (Features(2049, ReductionHint.INNER), {}),
+        (Features(1152, ReductionHint.INNER), {"cooperative": True}),
+    ],
+    ids=["backward", "columns", "tiny-columns", "past-limit", "cooperative"],
+)
+def test_everything_else_keeps_inductors_choice(features, kwargs):
+    ours, theirs = decide(features, **kwargs)
+    assert ours == theirs
+
+
+def test_persistent_reductions_off_stays_off():
+    with inductor_config.patch({"triton.persistent_reductions": False}):
+        assert decide(Features(1152, ReductionHint.INNER)) == (False, False)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("limit", [None, 2048])
+def test_handler_is_set_only_while_a_block_compiles(limit):
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):  # runs inside the block's first call
+        seen.append(V.choices)
+        return gm.forward
+
+    model = Blocks()
+    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit), backend=backend)
+    model(torch.randn(2, 8))
+    assert len(seen) == 2  # one graph per block here (two ``Sequential`` instances)
+    if limit is None:
+        assert not any(isinstance(choices, PersistentRows) for choices in seen)
+    else:
+        assert all(isinstance(choices, PersistentRows) for choices in seen)
+        assert seen[0].limit == limit
+    assert not isinstance(V.choices, PersistentRows)  # restored after the call
+    torch._dynamo.reset()
+
+
+def test_config_rejects_a_non_positive_limit():
+    with pytest.raises(ValueError, match="persistent_rows"):
+        MainConfig.model_validate({"optimization": {"compile": {"persistent_rows": 0}}})
