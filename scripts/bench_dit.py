@@ -239,7 +239,9 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
     if args.trace and dist.get_rank() == 0:
         args.trace.mkdir(parents=True, exist_ok=True)
         trace = args.trace / f"{args.workload}_{args.strategy}_{name}.json.gz"
-    profile = profile_summary(runner, batch, device, keep_trace=trace) if args.profile else None
+    profile = None
+    if args.profile:
+        profile = profile_summary(runner, batch, device, keep_trace=trace, host=args.trace_host)
     return {
         "impl": name,
         "step_ms": step_s * 1e3,
@@ -340,6 +342,11 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--trace", type=Path, help="with --profile: keep rank 0's kernel traces in this folder"
     )
+    p.add_argument(
+        "--trace-host",
+        action="store_true",
+        help="with --trace: record host operators too (trace_kernels.py names them in gaps)",
+    )
     return p
 
 
@@ -367,6 +374,8 @@ def main() -> None:
     args = p.parse_args()
     if args.trace and not args.profile:
         p.error("--trace keeps the traces --profile takes; add --profile")
+    if args.trace_host and not args.trace:
+        p.error("--trace-host records host operators in kept traces; add --trace DIR")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; use --device cpu --tiny for a smoke run")
     cfg, tokens, device = setup(args)

@@ -93,7 +93,12 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_summary(
-    runner, batch, device: torch.device, steps: int = 3, keep_trace: Path | None = None
+    runner,
+    batch,
+    device: torch.device,
+    steps: int = 3,
+    keep_trace: Path | None = None,
+    host: bool = False,
 ) -> dict:
     """Where one step's time goes, from a CUDA kernel trace of ``steps`` steps (ms per step).
 
@@ -102,13 +107,17 @@ def profile_summary(
     and ``idle`` is step time with no kernel running at all (host overhead, waits). On CPU
     (smoke runs) the "kernels" are nested CPU ops, so the categories overcount.
     ``keep_trace`` also writes the trace there, gzipped, for a closer look (kernel by kernel,
-    gaps on the timeline) in Perfetto or a script.
+    gaps on the timeline) in Perfetto or a script. ``host`` records the host's operators as well
+    (what the CPU was doing in a gap), at some cost in launch time, so in ``idle``.
     """
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA] if cuda else []
+    if host or not cuda:
+        activities.append(ProfilerActivity.CPU)
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             runner.step(batch)

@@ -2,7 +2,8 @@
 
 ``--profile`` sums kernel time by category; this reads one kept trace and names the kernels
 behind the sums (the heaviest, in ms per step and calls per step) and the gaps between them
-(time with no compute kernel running, by length, and the longest with their neighbours):
+(time with no compute kernel running, by length, and the longest with their neighbours and the
+host calls that overlap them):
 
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --compile --profile --trace traces
     python scripts/trace_kernels.py traces/C_ddp_litegen.json.gz --top 30
@@ -19,6 +20,9 @@ from collections import Counter
 from pathlib import Path
 
 GAP_BINS_US = (5, 20, 100, 1000, float("inf"))
+# Host-side events of a trace: CUDA runtime calls always, operators and annotations with
+# ``bench_dit.py --trace-host``.
+HOST_EVENTS = ("cuda_runtime", "cpu_op", "user_annotation")
 # Kernel name fragments per category, checked in this order (attention kernels also use CUTLASS).
 # bench_profile.py sums a step's time by these categories.
 KERNEL_CATEGORIES = (
@@ -57,8 +61,8 @@ def heaviest(kernels: list[dict], steps: int, top: int) -> list[tuple[float, int
     return [(us / steps / 1e3, calls[n] // steps, n) for n, us in busy.most_common(top)]
 
 
-def gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
-    """(µs, kernel before, kernel after) for every stretch with no compute kernel running."""
+def gaps(kernels: list[dict]) -> list[tuple[float, str, str, float]]:
+    """(µs, kernel before, kernel after, start µs) for every stretch with no compute kernel."""
     compute = [e for e in kernels if kernel_category(e["name"]) != "communication"]
     if not compute:
         return []
@@ -67,10 +71,21 @@ def gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
     end = last["ts"] + last["dur"]
     for e in compute[1:]:
         if e["ts"] > end:
-            found.append((e["ts"] - end, last["name"], e["name"]))
+            found.append((e["ts"] - end, last["name"], e["name"], end))
         if e["ts"] + e["dur"] > end:
             end, last = e["ts"] + e["dur"], e
     return found
+
+
+def host_calls(events: list[dict], start: float, length: float, top: int = 3) -> str:
+    """The host events (CUDA runtime calls; operators, with ``--trace-host``) that overlap a
+    gap most: what the CPU was doing while the GPU had nothing to run."""
+    end = start + length
+    overlap: Counter[str] = Counter()
+    for e in events:
+        if e["ts"] < end and e["ts"] + e["dur"] > start:
+            overlap[e["name"]] += min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+    return ", ".join(f"{name[:40]} {us / 1e3:.2f} ms" for name, us in overlap.most_common(top))
 
 
 def main() -> None:
@@ -96,8 +111,11 @@ def main() -> None:
     )
     total = sum(us for us, *_ in found) / args.steps / 1e3
     print(f"\ngaps: {total:.2f} ms per step; count per step by length: {bins}")
-    for us, before, after in sorted(found, reverse=True)[:8]:
+    host = [e for kind in HOST_EVENTS for e in load_kernels(args.trace, kind)]
+    for us, before, after, start in sorted(found, reverse=True)[:8]:
         print(f"{us / 1e3:6.2f} ms  {before[:55]} -> {after[:55]}")
+        if host:
+            print(f"           host: {host_calls(host, start, us)}")
 
 
 if __name__ == "__main__":
