@@ -152,12 +152,12 @@ def compile_blocks(
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
-    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``,
-    ``options``, ``persistent_rows``). ``paths`` overrides the blocks (default: :func:`litegen.memory.repeated_blocks`;
-    the whole model's ``forward`` when it has none). ``backend`` is for tests (``"aot_eager"``
-    skips inductor's C++/Triton code generation); runs use inductor. ``memory_budget`` in
-    [0, 1] bounds what each compiled block saves for backward (module docstring); ``None``
-    leaves compile's default.
+    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``,
+    ``persistent_rows``). ``paths`` overrides the blocks (default:
+    :func:`litegen.memory.repeated_blocks`; the whole model's ``forward`` when it has none).
+    ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
+    use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward
+    (module docstring); ``None`` leaves compile's default.
 
     Example:
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))

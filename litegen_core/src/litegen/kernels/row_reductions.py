@@ -1,12 +1,13 @@
-"""One-pass (persistent) row reductions for compiled forwards: ``optimization.compile.persistent_rows``.
+"""One-pass (persistent) norms in compiled forwards: ``optimization.compile.persistent_rows``.
 
 Inductor compiles a reduction along rows of at most 1024 elements as a *persistent* Triton
 kernel: a program holds its rows in registers, so a LayerNorm reads its input once. Longer rows
 get a *looped* kernel that reads them twice, once for the mean and variance and once to
-normalise. DiT-XL's hidden size, 1152, sits just past the limit. On one H200, the
-LayerNorm + adaLN modulation of workload C took 128 µs per call looped and 68 µs persistent
-(docs/benchmarks.md). In backward graphs, where the kernels also sum gradients across rows, the
-persistent kernels measured slower, so backward graphs keep inductor's choice.
+normalise. DiT-XL's hidden size, 1152, sits just past the limit. On one H200, the two forward
+norm kernels of workload C's blocks (fused with the residual add and the adaLN modulation)
+took 7.1 ms a step looped and 5.3 ms persistent (docs/benchmarks.md). In backward graphs, where
+the norm kernels also sum gradients down the columns, persistent kernels measured slower, so
+backward graphs keep inductor's choice.
 
 :class:`PersistentRows` is inductor's own heuristics (``InductorChoices``) with that one
 threshold raised. :mod:`litegen.compile` installs it only around calls of LiteGen's compiled
