@@ -347,7 +347,13 @@ def test_defaults_of_every_field() -> None:
                 "allow_tf32": True,
             },
             "optimizer": {"fp32_master_weights": False, "backend": "single_tensor"},
-            "compile": {"enabled": False, "mode": "default", "dynamic": False, "options": {}},
+            "compile": {
+                "enabled": False,
+                "mode": "default",
+                "dynamic": False,
+                "options": {},
+                "persistent_rows": None,
+            },
             "memory": {
                 "activation_checkpoint": {
                     "enabled": False,
