@@ -107,6 +107,12 @@ def test_handler_is_set_only_while_a_block_compiles(limit):
     torch._dynamo.reset()
 
 
-def test_config_rejects_a_non_positive_limit():
+def test_config_rejects_a_non_positive_limit_and_a_limit_without_compile():
     with pytest.raises(ValueError, match="persistent_rows"):
-        MainConfig.model_validate({"optimization": {"compile": {"persistent_rows": 0}}})
+        compile_section = {"enabled": True, "persistent_rows": 0}
+        MainConfig.model_validate({"optimization": {"compile": compile_section}})
+    with pytest.raises(ValueError, match="compile is off"):
+        MainConfig.model_validate({"optimization": {"compile": {"persistent_rows": 2048}}})
+    compile_section = {"enabled": True, "persistent_rows": 2048}
+    config = MainConfig.model_validate({"optimization": {"compile": compile_section}})
+    assert config.optimization.compile.persistent_rows == 2048

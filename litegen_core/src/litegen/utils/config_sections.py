@@ -10,7 +10,7 @@ import functools
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model
+from pydantic import Field, create_model, model_validator
 
 from litegen.utils.config_base import ConfigError, ProfileSection, Section
 
@@ -119,6 +119,15 @@ class CompileConfig(Section):
     persistent_rows: int | None = Field(None, ge=1)
     """Forward row reductions (norms) up to this many elements compile as one-pass (persistent)
     Triton kernels; ``None`` keeps inductor's limit, 1024. 2048 covers DiT-XL's 1152."""
+
+    @model_validator(mode="after")
+    def _persistent_rows_needs_compile(self) -> CompileConfig:
+        if self.persistent_rows is not None and not self.enabled:
+            raise ValueError(
+                "persistent_rows changes the kernels that compile generates, and compile is off; "
+                "set optimization.compile.enabled: true, or leave persistent_rows unset."
+            )
+        return self
 
 
 class ActivationCheckpointConfig(Section):
