@@ -1,0 +1,230 @@
+"""Unit tests of MainConfig's sections: every field's default, and per-model profiles."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from litegen.utils.config import MainConfig, OptimizationConfig, TrainerConfig
+from tests.unit.test_config import PROFILES, problems
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_of_every_field() -> None:
+    cfg = MainConfig()
+    assert cfg.to_dict() == {
+        "exp_name": "default_exp",
+        "results_dir": None,
+        "checkpoint_dir": None,
+        "init_from": None,
+        "resume_from": None,
+        "auto_resume": False,
+        "runtime": {
+            "device": None,
+            "distributed": {"backend": None, "dist_url": "env://", "dist_timeout": 1800},
+        },
+        "optimization": {
+            "parallel": {
+                "strategy": "ddp",
+                "zero1": {
+                    "bucket_size_mb": 64,
+                    "parameter_sync": "bucketed",
+                    "overlap_comm": True,
+                    "release_grad_buffer": True,
+                    "normalize_parameter_layout": False,
+                },
+                "fsdp2": {
+                    "wrap_strategy": "repeated",
+                    "wrap_paths": [],
+                    "wrap_class_names": [],
+                    "min_num_params": 1,
+                    "exclude_paths": [],
+                    "reshard_after_forward": None,
+                    "root_reshard_after_forward": None,
+                    "last_unit_reshard_after_forward": None,
+                    "allow_empty_param_unit_sharding": False,
+                },
+                "tp_size": 1,
+                "sp_size": 1,
+                "cp_size": 1,
+                "pp_size": 1,
+            },
+            "precision": {
+                "cast_model": None,
+                "cast_exclude_paths": [],
+                "fsdp2_mixed": {
+                    "param_dtype": None,
+                    "reduce_dtype": None,
+                    "output_dtype": None,
+                    "cast_forward_inputs": True,
+                },
+                "allow_tf32": True,
+            },
+            "optimizer": {"fp32_master_weights": False, "backend": "single_tensor"},
+            "compile": {
+                "enabled": False,
+                "mode": "default",
+                "dynamic": False,
+                "options": {},
+                "persistent_rows": None,
+            },
+            "memory": {
+                "activation_checkpoint": {
+                    "enabled": False,
+                    "selective_ratio": 1.0,
+                    "target_paths": [],
+                    "policy": "block",
+                    "memory_budget": 0.5,
+                },
+                "activation_offload": False,
+            },
+            "kernels": {
+                "fused_layernorm": False,
+                "fused_gelu_mlp": False,
+                "attention_backend": "auto",
+            },
+            "profiles": {},
+        },
+        "lr": 1.0e-4,
+        "weight_decay": 0.0,
+        "ema": {"enable": False, "sharded": True, "decay": 0.9999, "resume_from": None},
+        "trainer": {
+            "grad_accum_steps": 1,
+            "max_grad_norm": None,
+            "log_every": 10,
+            "checkpoint_every": 0,
+            "save_final": True,
+            "keep_last": None,
+            "async_checkpoint": False,
+            "resume_run": None,
+            "on_nan": "abort",
+            "autocast": None,
+            "peak_tflops": None,
+            "tokens_per_sample": None,
+        },
+        "global_seed": 0,
+        "max_steps": 1,
+        "num_workers": 0,
+        "pin_memory": False,
+        "global_batch_size": 1,
+    }
+
+
+def test_default_lists_are_not_shared() -> None:
+    a, b = MainConfig(), MainConfig()
+    a.optimization.parallel.fsdp2.wrap_paths.append("x")
+    assert b.optimization.parallel.fsdp2.wrap_paths == []
+
+
+def test_results_and_checkpoint_dirs() -> None:
+    assert MainConfig(exp_name="e1").get_results_dir() == str(Path("results") / "e1")
+    assert MainConfig(exp_name="e1").get_checkpoint_dir() == str(Path("results") / "e1")
+    cfg = MainConfig(results_dir="out")
+    assert (cfg.get_results_dir(), cfg.get_checkpoint_dir()) == ("out", "out")
+    cfg = MainConfig(results_dir="out", checkpoint_dir="ckpt")
+    assert cfg.get_checkpoint_dir() == "ckpt"
+
+
+def test_trainer_section() -> None:
+    cfg = MainConfig(
+        trainer={
+            "grad_accum_steps": 4,
+            "max_grad_norm": 1.0,
+            "checkpoint_every": 500,
+            "keep_last": 3,
+            "on_nan": "skip",
+            "autocast": "bf16",
+        }
+    )
+    t = cfg.trainer
+    assert isinstance(t, TrainerConfig)
+    assert (t.grad_accum_steps, t.max_grad_norm, t.checkpoint_every) == (4, 1.0, 500)
+    assert (t.keep_last, t.on_nan, t.autocast, t.save_final, t.log_every) == (
+        3,
+        "skip",
+        "bf16",
+        True,
+        10,
+    )
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def test_profiles_inherit_general_settings() -> None:
+    cfg = MainConfig.from_dict(PROFILES)
+    general = cfg.optimization_for(None)
+    assert general is cfg.optimization
+
+    frozen = cfg.optimization_for("frozen")
+    assert isinstance(frozen, OptimizationConfig)
+    assert frozen.parallel.strategy == "ddp"
+    assert frozen.precision.cast_model == "bf16"  # inherited
+    assert frozen.memory.activation_checkpoint.enabled is False
+    assert frozen.memory.activation_checkpoint.selective_ratio == 0.3  # inherited sibling
+    assert frozen.profiles == {}
+
+    assert cfg.optimization_for("fp32").precision.cast_model is None  # explicit null overrides
+    assert cfg.optimization_for("fp32").parallel.strategy == "fsdp2"
+    empty = cfg.optimization_for("empty")
+    assert empty.to_dict() == {**cfg.optimization.to_dict(), "profiles": {}}
+    # the general section is untouched by resolving profiles
+    assert cfg.optimization.parallel.strategy == "fsdp2"
+
+
+def test_unknown_profile_name() -> None:
+    cfg = MainConfig.from_dict(PROFILES)
+    with pytest.raises(ValueError, match="'frozen', 'fp32', 'empty'"):
+        cfg.optimization_for("missing")
+    with pytest.raises(ValueError, match="none defined"):
+        MainConfig().optimization_for("frozen")
+
+
+def test_bad_profile_fields_reported_at_load_time() -> None:
+    data = {
+        "optimization": {
+            "profiles": {
+                "frozen": {
+                    "memory": {
+                        "activation_offload": "maybe",
+                        "activation_checkpoint": {"enabled": None},
+                    },
+                    "parallel": {"stratgy": "ddp"},
+                }
+            }
+        },
+        "ema": {"decay": 2},
+    }
+    with pytest.raises(ValueError) as exc_info:
+        MainConfig.from_dict(data)
+    lines = problems(exc_info)
+    assert (
+        "  - field 'optimization.profiles.frozen.memory.activation_offload': Input should be a valid boolean, unable to interpret input"
+        in lines
+    )
+    assert any(
+        x.startswith(
+            "  - field 'optimization.profiles.frozen.memory.activation_checkpoint.enabled': "
+        )
+        for x in lines
+    )
+    assert any(
+        x.startswith("  - field 'optimization.profiles.frozen.parallel.stratgy': ")
+        and x.endswith("did you mean 'strategy'?")
+        for x in lines
+    )
+    assert any(x.startswith("  - field 'ema.decay': ") for x in lines)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("optimization.profiles.x.memory.activation_checkpoint.selective_ratio"),
+    ):
+        MainConfig(
+            optimization={
+                "profiles": {"x": {"memory": {"activation_checkpoint": {"selective_ratio": 2}}}}
+            }
+        )
+    with pytest.raises(ValueError, match=re.escape("field 'optimization.profiles.x.profiles'")):
+        MainConfig(optimization={"profiles": {"x": {"profiles": {}}}})
