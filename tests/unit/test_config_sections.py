@@ -228,3 +228,16 @@ def test_bad_profile_fields_reported_at_load_time() -> None:
         )
     with pytest.raises(ValueError, match=re.escape("field 'optimization.profiles.x.profiles'")):
         MainConfig(optimization={"profiles": {"x": {"profiles": {}}}})
+
+
+def test_rules_across_fields_hold_for_merged_profiles_at_load_time() -> None:
+    # persistent_rows needs compile.enabled, which the profile inherits from the general settings.
+    general = {"compile": {"enabled": True}}
+    profile = {"frozen": {"compile": {"persistent_rows": 2048}}}
+    cfg = MainConfig.from_dict({"optimization": {**general, "profiles": profile}})
+    assert cfg.optimization_for("frozen").compile.persistent_rows == 2048
+    with pytest.raises(ValueError) as exc_info:
+        MainConfig.from_dict({"optimization": {"profiles": profile}})
+    (line,) = problems(exc_info)
+    assert "optimization.profiles.frozen.compile: persistent_rows" in line
+    assert "set optimization.compile.enabled: true" in line

@@ -233,6 +233,18 @@ class OptimizationConfig(Section):
         except ConfigError as exc:
             raise exc.with_prefix("optimization", "profiles", profile) from None
 
+    @model_validator(mode="after")
+    def _profiles_resolve(self) -> OptimizationConfig:
+        # A profile is partial, so rules across fields (compile.persistent_rows needs
+        # compile.enabled) can be checked only once it is merged over the general settings.
+        # Merge each one now, so that a broken profile fails at load, not when a model uses it.
+        for name in self.profiles:
+            try:
+                self.resolve(name)
+            except ConfigError as exc:
+                raise ValueError("; ".join(f"{p}: {m}" for p, m in exc.problems)) from None
+        return self
+
 
 OptimizationProfile = profile_model(OptimizationConfig)
 OptimizationConfig.model_rebuild()
