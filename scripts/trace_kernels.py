@@ -24,10 +24,15 @@ GAP_BINS_US = (5, 20, 100, 1000, float("inf"))
 # ``bench_dit.py --trace-host``.
 HOST_EVENTS = ("cuda_runtime", "cpu_op", "user_annotation")
 # Kernel name fragments per category, checked in this order (attention kernels also use CUTLASS).
-# bench_profile.py sums a step's time by these categories.
+# bench_profile.py sums a step's time by these categories. cuDNN's attention backward also runs
+# two helper kernels, ``cudnn::fusion::compute_dot_do_o`` (rowsum(dO * O)) and
+# ``convert_dq_to_16bits`` (its fp32 dQ to bf16), whose names say neither.
 KERNEL_CATEGORIES = (
     ("communication", ("nccl",)),
-    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn_generated")),
+    (
+        "attention",
+        ("fmha", "flash", "attention", "sdpa", "cudnn_generated", "dot_do_o", "convert_dq_to"),
+    ),
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "wgmma", "cublas")),
     ("optimizer", ("multi_tensor", "adam")),
 )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from trace_kernels import gaps, heaviest, host_calls, load_kernels
+from trace_kernels import gaps, heaviest, host_calls, kernel_category, load_kernels
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -43,3 +43,20 @@ def test_host_calls_name_what_overlaps_a_gap_most():
     # The gap of the trace above: 10 us from 15.
     assert host_calls(host, 15, 10, top=2) == "cudaEventSynchronize 0.01 ms, aten::item 0.01 ms"
     assert host_calls(host, 15, 10, top=3).endswith("cudaLaunchKernel 0.00 ms")
+
+
+def test_kernel_categories_of_a_compiled_dit_step():
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "void cudnn::fusion::compute_dot_do_o<true>(void const*, void const*)": "attention",
+        "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)": "attention",
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x64_aux_bf16_dgelu": "gemm",
+        "ncclDevKernel_AllGather_RING_LL": "communication",
+        "_adamw_master_kernel": "optimizer",
+        "triton_per_fused__to_copy_add_mul_native_layer_norm_split_unsqueeze_1": "elementwise/other",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16>>": (
+            "elementwise/other"
+        ),
+    }
+    assert {name: kernel_category(name) for name in names} == names
