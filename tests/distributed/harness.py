@@ -130,7 +130,9 @@ def run_ranks(
     try:
         return _run_once(*launch)
     except RankCrash as crash:
-        warnings.warn(f"{crash}\nRunning the ranks once more (see the harness docstring).")
+        warnings.warn(
+            f"{crash}\nRunning the ranks once more (see the harness docstring).", stacklevel=2
+        )
         return _run_once(*launch)
 
 
