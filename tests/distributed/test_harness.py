@@ -1,6 +1,6 @@
 """The rank harness itself: a native crash is run once more, other deaths are not.
 
-    uv run pytest tests/distributed/test_harness.py
+uv run pytest tests/distributed/test_harness.py
 """
 
 from __future__ import annotations
