@@ -77,18 +77,23 @@ def _head(ptr, b, h, stride_b, stride_h):
 
 
 @triton.jit
+def _program(H, D: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's (batch x head) index, batch, head, token block, and head-dim columns."""
+    bh = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_a = tl.arange(0, 64)
+    offs_b = 64 + tl.arange(0, DB)
+    return bh, bh // H, bh % H, offs, offs_a, offs_b, offs_b < D
+
+
+@triton.jit
 def _attention_fwd(
     Q, K, V, Out, LSE,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     H, N, qk_scale,
     D: tl.constexpr, DB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_a = tl.arange(0, 64)
-    offs_b = 64 + tl.arange(0, DB)
-    mask_b = offs_b < D
+    bh, b, h, offs_m, offs_a, offs_b, mask_b = _program(H, D, DB, BM)
     q_a, q_b = _rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_a, offs_b, mask_b)
     k_base = _head(K, b, h, skb, skh)
     v_base = _head(V, b, h, svb, svh)
@@ -128,12 +133,7 @@ def _attention_bwd_dq(
 
     ``Out`` and ``DO`` share the ``so*`` strides; ``sg*`` are ``DQ``'s.
     """
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_a = tl.arange(0, 64)
-    offs_b = 64 + tl.arange(0, DB)
-    mask_b = offs_b < D
+    bh, b, h, offs_m, offs_a, offs_b, mask_b = _program(H, D, DB, BM)
     q_a, q_b = _rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_a, offs_b, mask_b)
     do_a, do_b = _rows(_head(DO, b, h, sob, soh), offs_m, son, offs_a, offs_b, mask_b)
     o_a, o_b = _rows(_head(Out, b, h, sob, soh), offs_m, son, offs_a, offs_b, mask_b)
@@ -169,12 +169,7 @@ def _attention_bwd_dkdv(
 
     ``so*`` are ``DO``'s strides; ``sg*`` are those of ``DK`` and ``DV``.
     """
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    offs_a = tl.arange(0, 64)
-    offs_b = 64 + tl.arange(0, DB)
-    mask_b = offs_b < D
+    bh, b, h, offs_n, offs_a, offs_b, mask_b = _program(H, D, DB, BN)
     k_a, k_b = _rows(_head(K, b, h, skb, skh), offs_n, skn, offs_a, offs_b, mask_b)
     v_a, v_b = _rows(_head(V, b, h, svb, svh), offs_n, svn, offs_a, offs_b, mask_b)
     q_base = _head(Q, b, h, sqb, sqh)
