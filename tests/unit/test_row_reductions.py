@@ -12,8 +12,10 @@ import pytest
 import sympy
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.sizevars import SizeVarAllocator
 from torch._inductor.virtualized import V
@@ -116,3 +118,55 @@ def test_config_rejects_a_non_positive_limit_and_a_limit_without_compile():
     compile_section = {"enabled": True, "persistent_rows": 2048}
     config = MainConfig.model_validate({"optimization": {"compile": compile_section}})
     assert config.optimization.compile.persistent_rows == 2048
+
+
+def compile_and_run(limit: int | None) -> dict[str, int]:
+    """Compile fresh blocks (forward and backward) and return the compile caches' counters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Blocks()
+    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit))
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    found = {**counters["inductor"], **counters["aot_autograd"]}
+    torch._dynamo.reset()
+    return {k: v for k, v in found.items() if k.startswith(("fxgraph_cache", "autograd_cache"))}
+
+
+class UserPass(CustomGraphPass):
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "a user's pass"
+
+
+@pytest.fixture
+def empty_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    caches_on = functorch_config.patch(enable_autograd_cache=True)
+    with inductor_config.patch(fx_graph_cache=True), caches_on:
+        yield
+
+
+def test_compile_caches_serve_each_setting_only_its_own_graphs(empty_compile_cache):
+    # Each run compiles one forward graph, inside the block's call, and one backward graph,
+    # which AOTAutograd compiles (static shapes) at the first backward, after the call, so
+    # without the key; backward graphs keep inductor's choice anyway, so sharing them is right.
+    first = compile_and_run(2048)
+    assert first.get("autograd_cache_miss") == 1 and first.get("fxgraph_cache_miss") == 2
+    assert compile_and_run(2048).get("autograd_cache_hit") == 1
+    for other in (None, 4096):  # the same block compiled without the setting, or another limit
+        counts = compile_and_run(other)
+        assert counts.get("autograd_cache_miss") == 1, counts
+        assert counts.get("fxgraph_cache_miss") == 1, counts  # the forward graph, compiled anew
+    assert compile_and_run(None).get("autograd_cache_hit") == 1
+
+
+def test_compile_caches_are_off_when_the_key_slot_holds_a_users_pass(empty_compile_cache):
+    with inductor_config.patch(post_grad_custom_post_pass=UserPass()):
+        compile_and_run(2048)
+        again = compile_and_run(2048)
+    assert not again.get("autograd_cache_hit")
+    assert again.get("fxgraph_cache_hit", 0) <= 1, again  # the backward graph at most

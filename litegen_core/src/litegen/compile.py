@@ -24,7 +24,8 @@ eagerly: use it only for fixed shapes.
 
 ``persistent_rows``: inductor reduces rows of up to 1024 elements in one pass, longer ones in
 two; LiteGen can raise that limit for the blocks' forward graphs
-(:mod:`litegen.kernels.row_reductions`), again only around each call of a compiled block.
+(:mod:`litegen.kernels.row_reductions`), again only around each call of a compiled block, with
+the heuristics added to the compile caches' keys (:func:`_caches_keyed_on`).
 
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
@@ -58,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.parallel import DistributedDataParallel
 
 from litegen.memory.blocks import repeated_blocks
@@ -76,6 +78,7 @@ class _CompiledForward:
         memory_budget: float | None = None,
         is_block: bool = True,
         choices: Any = None,
+        cache_key_slot_free: bool = True,
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
@@ -84,6 +87,8 @@ class _CompiledForward:
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
         self.choices = choices  # inductor heuristics for this block's graphs, or None
+        # Whether torch.compile's options leave inductor's post-grad pass slot to LiteGen.
+        self.cache_key_slot_free = cache_key_slot_free
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -100,13 +105,42 @@ class _CompiledForward:
                 from torch._inductor.virtualized import V
 
                 settings.enter_context(V.set_choices_handler(self.choices))
-                # Inductor's and AOTAutograd's compile caches key on their config, not on the
-                # heuristics: they would hand back graphs compiled without ours, and hand ours
-                # to compiles without them.
-                settings.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-                autograd_cache = {"enable_autograd_cache": False}
-                settings.enter_context(torch._functorch.config.patch(**autograd_cache))
+                settings.enter_context(_caches_keyed_on(self.choices, self.cache_key_slot_free))
             return self.compiled(*args, **kwargs)
+
+
+class _CacheKey(CustomGraphPass):
+    """A post-grad pass that leaves the graph as it is; its ``uuid`` joins the cache keys."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def _caches_keyed_on(choices: Any, slot_free: bool) -> ExitStack:
+    """Compile caches that tell graphs compiled with ``choices`` from all others.
+
+    Inductor's and AOTAutograd's caches key on inductor's config and its custom passes, not on
+    its heuristics, so on their own they would hand graphs compiled with ``choices`` to compiles
+    without them, and the other way round. A custom post-grad pass that changes nothing puts
+    ``choices`` into the keys. Where that slot holds a pass of the user's (inductor's config,
+    or ``optimization.compile.options``, which inductor applies over ours), the caches are off.
+    """
+    settings = ExitStack()
+    inductor_config = torch._inductor.config
+    if slot_free and inductor_config.post_grad_custom_post_pass is None:
+        key = _CacheKey(choices.cache_key())
+        settings.enter_context(inductor_config.patch(post_grad_custom_post_pass=key))
+    else:
+        settings.enter_context(inductor_config.patch(fx_graph_cache=False))
+        autograd_cache = {"enable_autograd_cache": False}
+        settings.enter_context(torch._functorch.config.patch(**autograd_cache))
+    return settings
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -216,7 +250,13 @@ def compile_blocks(
                 "torch._inductor.config."
             ) from exc
         module.forward = _CompiledForward(
-            original, compiled, patched, memory_budget, is_block=bool(path), choices=choices
+            original,
+            compiled,
+            patched,
+            memory_budget,
+            is_block=bool(path),
+            choices=choices,
+            cache_key_slot_free="post_grad_custom_post_pass" not in kwargs.get("options", {}),
         )
         done.append(path)
     return done

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -34,6 +36,8 @@ __all__ = ["PersistentRows"]
 # Reductions down columns: one element per row, so a persistent program would hold a column
 # strip of many rows; inductor's small limit for them stays.
 _COLUMN_HINTS = (ReductionHint.OUTER, ReductionHint.OUTER_TINY)
+# A change to this file's heuristics must not be served kernels cached under the old ones.
+_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 class PersistentRows(InductorChoices):
@@ -47,6 +51,15 @@ class PersistentRows(InductorChoices):
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
+
+    def cache_key(self) -> str:
+        """Names these heuristics (this module's code and the limit) in compile-cache keys.
+
+        Example:
+            >>> PersistentRows(2048).cache_key().endswith("-2048")
+            True
+        """
+        return f"litegen.PersistentRows-{_SOURCE_HASH}-{self.limit}"
 
     def should_use_persistent_reduction(  # type: ignore[override]
         self, features: Any, cooperative_reduction: bool
