@@ -1,0 +1,76 @@
+"""FA4 as torch's flash SDPA kernels (litegen.kernels.fa4) on a Hopper or Blackwell GPU.
+
+Needs the ``flash-attn-4`` package; skipped without it, without CUDA, or on other GPUs.
+
+    python3 -m pytest tests/gpu/test_fa4_gpu.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from litegen.kernels.attention import FA4_MAJORS, activate_fa4, attention_context
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or torch.cuda.get_device_capability()[0] not in FA4_MAJORS
+    or importlib.util.find_spec("flash_attn") is None
+    or importlib.util.find_spec("flash_attn.cute") is None,
+    reason="needs a Hopper/Blackwell GPU and the flash-attn-4 package",
+)
+DEVICE = torch.device("cuda")
+
+
+def attend(qkv: torch.Tensor, backend: str, dout: torch.Tensor):
+    """Output and packed-qkv gradient of attention over a (batch, tokens, 3, heads, dim) tensor."""
+    qkv = qkv.detach().requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    with attention_context(backend, DEVICE):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(dout.to(out.dtype))
+    return out.detach().float(), qkv.grad.float()
+
+
+@pytest.mark.parametrize("head_dim", [72, 64, 128, 40])
+def test_fa4_output_and_gradients_match_fp32_math(head_dim):
+    assert activate_fa4(DEVICE)
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    qkv = torch.randn(2, 1024, 3, 8, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    dout = torch.randn(2, 8, 1024, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    ref_out, ref_grad = attend(qkv.float(), "math", dout.float())
+    out, grad = attend(qkv, "flash_attn", dout)
+    cudnn_out, cudnn_grad = attend(qkv, "cudnn", dout)
+    # Within twice cuDNN's bf16 error, and small in absolute terms.
+    for got, cudnn, ref in ((out, cudnn_out, ref_out), (grad, cudnn_grad, ref_grad)):
+        error = (got - ref).abs().max().item()
+        assert error <= max(2 * (cudnn - ref).abs().max().item(), 1e-3) and error < 0.02
+
+
+def test_compiled_block_runs_fa4_kernels_and_matches_eager():
+    assert activate_fa4(DEVICE)
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(576, 3 * 576, device=DEVICE, dtype=torch.bfloat16)
+
+    def block(x):
+        b, n, c = x.shape
+        q, k, v = proj(x).view(b, n, 3, 8, c // 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+
+    x = torch.randn(4, 512, 576, device=DEVICE, dtype=torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    with attention_context("flash_attn", DEVICE):
+        eager_out = block(x)
+        eager_out.float().square().mean().backward()
+        eager_grad, proj.weight.grad = proj.weight.grad, None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = compiled(x)
+            out.float().square().mean().backward()
+            torch.cuda.synchronize()
+    kernels = " ".join(e.key for e in prof.key_averages())
+    assert "flash_fwd_sm" in kernels and "flash_bwd_sm" in kernels, kernels
+    torch.testing.assert_close(out, eager_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(proj.weight.grad, eager_grad, rtol=2e-2, atol=2e-2)
