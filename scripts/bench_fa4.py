@@ -1,0 +1,198 @@
+"""FlashAttention 4 against cuDNN at the benchmark shapes, and the checks behind LiteGen's FA4 path.
+
+Needs a Hopper/Blackwell GPU and the ``flash-attn-4`` package (``uv sync --all-packages --extra
+flash-attn-4``). Sections, all by default:
+
+- ``check``: ``F.scaled_dot_product_attention`` through LiteGen's ``math``, ``cudnn`` and
+  ``flash_attn`` (FA4) contexts on packed-qkv views, head dims 72, 64, 128 and 40: largest error
+  of the output and of dq, dk, dv against FP32 math, and fwd+bwd time; then a kernel profile
+  of the FA4 path at workload A's shape.
+- ``kernels``: FA4's own functions at head dim 72, with no LiteGen code in between: the dq bug
+  (dq against FP32 math, unpadded and zero-padded to 80, 96 and 128) and their times.
+- ``shapes``: forward and backward time, cuDNN against FA4 through LiteGen, at workloads C, A
+  and B's shapes.
+- ``copy``: ``litegen.kernels.fa4.copy_head_dim`` (the backward's padding) against ``F.pad``.
+
+    python3 scripts/bench_fa4.py
+    python3 scripts/bench_fa4.py --section kernels
+
+The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from litegen.kernels import fa4
+from litegen.kernels.attention import activate_fa4, attention_context
+
+DEVICE = torch.device("cuda")
+SHAPES = {"C": (128, 16, 256, 72), "A": (8, 16, 4096, 72), "B": (2, 12, 17160, 128)}
+
+
+def median_ms(fn, calls: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def packed_qkv(batch: int, heads: int, tokens: int, head_dim: int) -> torch.Tensor:
+    """(batch, tokens, 3, heads, dim), as a DiT's fused qkv projection makes it."""
+    return torch.randn(batch, tokens, 3, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> str:
+    return f"{(got.float() - want.float()).abs().max().item():.4f}"
+
+
+def check() -> None:
+    for shape in [(2, 16, 1024, 72), (2, 8, 512, 64), (2, 8, 512, 128), (2, 8, 512, 40)]:
+        check_shape(shape)
+    check_shape(SHAPES["A"])
+    profile_a()
+
+
+def check_shape(shape: tuple[int, int, int, int]) -> None:
+    """Errors against FP32 math (shapes up to 1024 tokens) and fwd+bwd times, per context."""
+    qkv = packed_qkv(*shape)
+    dout = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    small = shape[2] <= 1024
+    reference = attend(qkv.float(), dout.float(), "math") if small else None
+    for backend in ("cudnn", "flash_attn"):
+        out, grad = attend(qkv, dout, backend)
+        line = f"{shape} {backend}: {median_ms(lambda b=backend: attend(qkv, dout, b)):.3f} ms"
+        if reference is not None:
+            errors = [max_error(grad[:, :, i], reference[1][:, :, i]) for i in range(3)]
+            line += f", out error {max_error(out, reference[0])}, dq/dk/dv {' '.join(errors)}"
+        print(line, flush=True)
+
+
+def attend(qkv: torch.Tensor, dout: torch.Tensor, backend: str):
+    """Output and packed-qkv gradient of one attention call in ``backend``'s context."""
+    x = qkv.detach().requires_grad_()
+    q, k, v = x.permute(2, 0, 3, 1, 4)
+    with attention_context(backend, DEVICE):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(dout)
+    return out.detach(), x.grad
+
+
+def profile_a() -> None:
+    qkv = packed_qkv(*SHAPES["A"])
+    dout = torch.randn(SHAPES["A"], device=DEVICE, dtype=torch.bfloat16)
+    attend(qkv, dout, "flash_attn")
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            attend(qkv, dout, "flash_attn")
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="device_time_total", row_limit=14, max_name_column_width=70
+    )
+    print(table)
+
+
+def kernels() -> None:
+    kernels_at(2, 16, 1024)
+    kernels_at(*SHAPES["A"][:3])
+
+
+def kernels_at(batch: int, heads: int, tokens: int) -> None:
+    """FA4's functions at head dim 72, unpadded and zero-padded, against cuDNN."""
+    interface = fa4.interface()
+    qkv = packed_qkv(batch, heads, tokens, 72)
+    q, k, v = qkv.unbind(2)  # FA4's layout, (batch, tokens, heads, dim)
+    dout = torch.randn(batch, tokens, heads, 72, device=DEVICE, dtype=torch.bfloat16)
+    reference = None
+    if tokens <= 1024:
+        _, grad = attend(qkv.float(), dout.float().transpose(1, 2), "math")
+        reference = grad.unbind(2)
+
+    def run(padded: int) -> list[torch.Tensor]:
+        scale = 72**-0.5
+        qp, kp, vp, dp = (F.pad(t, (0, padded - 72)) if padded > 72 else t for t in (q, k, v, dout))
+        out, lse, *_ = interface._flash_attn_fwd(qp, kp, vp, softmax_scale=scale, return_lse=True)
+        grads = interface._flash_attn_bwd(qp, kp, vp, out, dp, lse, softmax_scale=scale)
+        return [g[..., :72] for g in grads[:3]]
+
+    for padded in (72, 80, 96, 128):
+        errors = ""
+        if reference is not None:
+            errors = " ".join(max_error(g, r) for g, r in zip(run(padded), reference, strict=True))
+            errors = f", dq/dk/dv error {errors}"
+        ms = median_ms(lambda p=padded: run(p))
+        print(f"{(batch, heads, tokens)} FA4 head dim {padded}: {ms:.3f} ms fwd+bwd{errors}")
+    ms = median_ms(lambda: attend(qkv, dout.transpose(1, 2), "cudnn"))
+    print(f"{(batch, heads, tokens)} cuDNN: {ms:.3f} ms fwd+bwd", flush=True)
+
+
+def shapes() -> None:
+    for name, shape in SHAPES.items():
+        for backend in ("cudnn", "flash_attn"):
+            forward_and_backward(name, shape, backend)
+
+
+def forward_and_backward(name: str, shape: tuple[int, int, int, int], backend: str) -> None:
+    x = packed_qkv(*shape).requires_grad_()
+    dout = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3]  # forward; backward is 2.5x
+
+    def forward() -> torch.Tensor:
+        q, k, v = x.permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    with attention_context(backend, DEVICE):
+        forward_ms = median_ms(forward)
+        backward_ms = median_ms(lambda: forward().backward(dout)) - forward_ms
+    print(
+        f"{name} {backend}: forward {forward_ms:.3f} ms ({flops / forward_ms / 1e9:.0f} "
+        f"TFLOP/s), backward {backward_ms:.3f} ms ({2.5 * flops / backward_ms / 1e9:.0f} TFLOP/s)",
+        flush=True,
+    )
+
+
+def copy() -> None:
+    qkv = packed_qkv(*SHAPES["A"][:3], 72)
+    q = qkv.unbind(2)[0]
+    padded = q.new_empty(*q.shape[:-1], 96)
+    moved = q.numel() * q.element_size() + padded.numel() * padded.element_size()
+    default = fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS
+    for rows, warps in [(32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (128, 4)]:
+        fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = rows, warps
+        ms = median_ms(lambda: fa4.copy_head_dim(q, padded), calls=50)
+        print(f"copy_head_dim rows={rows} warps={warps}: {ms * 1e3:.1f} us, "
+              f"{moved / ms / 1e9:.2f} TB/s")  # fmt: skip
+    fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = default
+    print(f"F.pad: {median_ms(lambda: F.pad(q, (0, 24)), calls=50) * 1e3:.1f} us")
+
+
+SECTIONS = {"check": check, "kernels": kernels, "shapes": shapes, "copy": copy}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=list(SECTIONS), action="append")
+    args = parser.parse_args()
+    if not activate_fa4(DEVICE):
+        raise SystemExit("needs a Hopper/Blackwell GPU and the flash-attn-4 package")
+    for name in args.section or SECTIONS:
+        print(f"== {name}", flush=True)
+        SECTIONS[name]()
+
+
+if __name__ == "__main__":
+    main()
