@@ -15,13 +15,16 @@ import torch.nn.functional as F
 
 from litegen.kernels.attention import FA4_MAJORS, activate_fa4, attention_context
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available()
-    or torch.cuda.get_device_capability()[0] not in FA4_MAJORS
-    or importlib.util.find_spec("flash_attn") is None
-    or importlib.util.find_spec("flash_attn.cute") is None,
-    reason="needs a Hopper/Blackwell GPU and the flash-attn-4 package",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available()
+        or torch.cuda.get_device_capability()[0] not in FA4_MAJORS
+        or importlib.util.find_spec("flash_attn") is None
+        or importlib.util.find_spec("flash_attn.cute") is None,
+        reason="needs a Hopper/Blackwell GPU and the flash-attn-4 package",
+    ),
+]
 DEVICE = torch.device("cuda")
 
 

@@ -10,8 +10,9 @@ ops as before, with their meta kernels. torch 2.11 has a prototype of the same i
 two values and fails on current FA4 releases, which return five.
 
 Outputs are allocated the way the ops' meta kernels allocate them (``torch.empty_like`` of the
-input): compiled graphs assert those strides. That is also the layout FA4 reads and writes
-fastest, (batch, tokens, heads, dim) in memory, for a model that splits a fused qkv projection.
+input): compiled graphs assert those strides. For a model that splits a fused qkv projection,
+that is FA4's own layout, (batch, tokens, heads, dim) in memory, so FA4 writes the output in
+place and the model's reshape after attention copies nothing.
 
 Example:
     >>> if register():  # False without the package
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -48,6 +50,7 @@ def register() -> bool:
     return True
 
 
+@functools.cache
 def interface() -> ModuleType:
     """FA4's interface module (ImportError when the package or its kernels are missing)."""
     module = importlib.import_module(FA4_MODULE)
