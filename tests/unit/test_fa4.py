@@ -16,9 +16,6 @@ tests/gpu/test_fa4_gpu.py runs the real kernels.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 from unittest import mock
 
@@ -120,13 +117,8 @@ print("ok")
 """
 
 
-def test_fa4_ops_match_math_attention_and_the_meta_layouts():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok")
+def test_fa4_ops_match_math_attention_and_the_meta_layouts(triton_interpreter):
+    assert triton_interpreter("-c", CHILD).strip().endswith("ok")
 
 
 def test_flash_attn_puts_torchs_flash_backend_first_once_fa4_is_active():
