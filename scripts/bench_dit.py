@@ -392,6 +392,7 @@ def main() -> None:
             "compile": args.compile,
             "compile_mode": args.compile_mode,
             "attention": args.attention,
+            "litegen_set": args.set,
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "rows": runner_rows,
@@ -407,6 +408,8 @@ def main() -> None:
             f"({args.compile_mode}), "
             f"attention={args.attention}, torch {torch.__version__}"
         )
+        if args.set:  # the LiteGen side's own settings (its attention backend, say)
+            title += "\nLiteGen only: " + " ".join(args.set)
         print_table(runner_rows, title)
         print_profiles(runner_rows)
     dist.destroy_process_group()
