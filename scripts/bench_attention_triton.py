@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from dit_model import median_cuda_ms
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
@@ -280,20 +280,6 @@ def check() -> None:
         raise SystemExit(f"mismatch against torch's SDPA: {errors}")
 
 
-def _median_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _max_error(got, expected) -> float:
     return max(
         (a.float() - b.float()).abs().max().item() for a, b in zip(got, expected, strict=True)
@@ -318,8 +304,8 @@ def bench(workload: str) -> dict[str, float]:
         return f"{ms:.3f} ms ({factor * flops / ms / 1e9:.0f} TFLOP/s)"
 
     times = {
-        "cudnn forward": _median_ms(lambda: cudnn(q, k, v, None, True)),
-        "cudnn backward": _median_ms(lambda: cudnn_bwd(grad, q, k, v, out, lse, *rest)),
+        "cudnn forward": median_cuda_ms(lambda: cudnn(q, k, v, None, True)),
+        "cudnn backward": median_cuda_ms(lambda: cudnn_bwd(grad, q, k, v, out, lse, *rest)),
     }
     print(
         f"== {workload} {SHAPES[workload]}: cudnn forward {tflops(times['cudnn forward'])}, "
@@ -327,7 +313,7 @@ def bench(workload: str) -> dict[str, float]:
     )
     forward = {}
     for config in FORWARD_CONFIGS:
-        forward[config] = _median_ms(lambda c=config: attention_forward(q, k, v, c))
+        forward[config] = median_cuda_ms(lambda c=config: attention_forward(q, k, v, c))
         got = attention_forward(q, k, v, config)
         print(
             f"triton forward {config}: {tflops(forward[config])}, max error against cuDNN: "
@@ -339,7 +325,7 @@ def bench(workload: str) -> dict[str, float]:
     for dq_config in DQ_CONFIGS:
         for dkdv_config in DKDV_CONFIGS:
             args = (grad, q, k, v, out_t, lse_t, dq_config, dkdv_config)
-            backward[dq_config, dkdv_config] = _median_ms(lambda a=args: attention_backward(*a))
+            backward[dq_config, dkdv_config] = median_cuda_ms(lambda a=args: attention_backward(*a))
     best_bwd = min(backward, key=backward.get)
     got = attention_backward(grad, q, k, v, out_t, lse_t, *best_bwd)
     times["triton forward"], times["triton backward"] = forward[best], backward[best_bwd]

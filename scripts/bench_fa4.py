@@ -22,31 +22,16 @@ The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from dit_model import median_cuda_ms
 
 from litegen.kernels import fa4
 from litegen.kernels.attention import activate_fa4, attention_context
 
 DEVICE = torch.device("cuda")
 SHAPES = {"C": (128, 16, 256, 72), "A": (8, 16, 4096, 72), "B": (2, 12, 17160, 128)}
-
-
-def median_ms(fn, calls: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def packed_qkv(batch: int, heads: int, tokens: int, head_dim: int) -> torch.Tensor:
@@ -73,7 +58,7 @@ def check_shape(shape: tuple[int, int, int, int]) -> None:
     reference = attend(qkv.float(), dout.float(), "math") if small else None
     for backend in ("cudnn", "flash_attn"):
         out, grad = attend(qkv, dout, backend)
-        line = f"{shape} {backend}: {median_ms(lambda b=backend: attend(qkv, dout, b)):.3f} ms"
+        line = f"{shape} {backend}: {median_cuda_ms(lambda b=backend: attend(qkv, dout, b)):.3f} ms"
         if reference is not None:
             errors = [max_error(grad[:, :, i], reference[1][:, :, i]) for i in range(3)]
             line += f", out error {max_error(out, reference[0])}, dq/dk/dv {' '.join(errors)}"
@@ -134,9 +119,9 @@ def kernels_at(batch: int, heads: int, tokens: int) -> None:
         if reference is not None:
             errors = " ".join(max_error(g, r) for g, r in zip(run(padded), reference, strict=True))
             errors = f", dq/dk/dv error {errors}"
-        ms = median_ms(lambda p=padded: run(p))
+        ms = median_cuda_ms(lambda p=padded: run(p))
         print(f"{(batch, heads, tokens)} FA4 head dim {padded}: {ms:.3f} ms fwd+bwd{errors}")
-    ms = median_ms(lambda: attend(qkv, dout.transpose(1, 2), "cudnn"))
+    ms = median_cuda_ms(lambda: attend(qkv, dout.transpose(1, 2), "cudnn"))
     print(f"{(batch, heads, tokens)} cuDNN: {ms:.3f} ms fwd+bwd", flush=True)
 
 
@@ -156,8 +141,8 @@ def forward_and_backward(name: str, shape: tuple[int, int, int, int], backend: s
         return F.scaled_dot_product_attention(q, k, v)
 
     with attention_context(backend, DEVICE):
-        forward_ms = median_ms(forward)
-        backward_ms = median_ms(lambda: forward().backward(dout)) - forward_ms
+        forward_ms = median_cuda_ms(forward)
+        backward_ms = median_cuda_ms(lambda: forward().backward(dout)) - forward_ms
     print(
         f"{name} {backend}: forward {forward_ms:.3f} ms ({flops / forward_ms / 1e9:.0f} "
         f"TFLOP/s), backward {backward_ms:.3f} ms ({2.5 * flops / backward_ms / 1e9:.0f} TFLOP/s)",
@@ -173,11 +158,11 @@ def copy() -> None:
     default = fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS
     for rows, warps in [(32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (128, 4)]:
         fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = rows, warps
-        ms = median_ms(lambda: fa4.copy_head_dim(q, padded), calls=50)
+        ms = median_cuda_ms(lambda: fa4.copy_head_dim(q, padded), calls=50)
         print(f"copy_head_dim rows={rows} warps={warps}: {ms * 1e3:.1f} us, "
               f"{moved / ms / 1e9:.2f} TB/s")  # fmt: skip
     fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = default
-    print(f"F.pad: {median_ms(lambda: F.pad(q, (0, 24)), calls=50) * 1e3:.1f} us")
+    print(f"F.pad: {median_cuda_ms(lambda: F.pad(q, (0, 24)), calls=50) * 1e3:.1f} us")
 
 
 SECTIONS = {"check": check, "kernels": kernels, "shapes": shapes, "copy": copy}

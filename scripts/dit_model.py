@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -168,6 +169,26 @@ def ms_per_call(
         fn()
     sync(device)
     return (time.perf_counter() - start) / calls * 1e3
+
+
+def median_cuda_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream, each call between two events.
+
+    For kernel microbenchmarks, where the median of per-call GPU time is steadier than a mean
+    over host time (:func:`ms_per_call`).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def sample_batch(

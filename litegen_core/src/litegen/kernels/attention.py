@@ -78,16 +78,12 @@ def attention_context(backend: str, device: torch.device | str) -> AbstractConte
             return nullcontext()  # torch's default order (older torch cannot reorder)
         return sdpa_kernel([BACKENDS[n] for n in AUTO_ORDER], set_priority=True)
     if backend == "flash_attn":
-        if activate_fa4(device):
-            return _ordered(FA4_ORDER)
-        return FlashAttnMode(load_flash_attn())
+        if not activate_fa4(device):
+            return FlashAttnMode(load_flash_attn())
+        if not _HAS_PRIORITY:
+            return sdpa_kernel([BACKENDS[FA4_ORDER[0]]])
+        return sdpa_kernel([BACKENDS[n] for n in FA4_ORDER], set_priority=True)
     return sdpa_kernel([BACKENDS[backend]])
-
-
-def _ordered(names: tuple[str, ...]) -> AbstractContextManager:
-    if not _HAS_PRIORITY:
-        return sdpa_kernel([BACKENDS[names[0]]])
-    return sdpa_kernel([BACKENDS[n] for n in names], set_priority=True)
 
 
 def activate_fa4(device: torch.device | str) -> bool:
