@@ -7,11 +7,15 @@ flash-attn-4``). Sections, all by default:
   ``flash_attn`` (FA4) contexts on packed-qkv views, head dims 72, 64, 128 and 40: largest error
   of the output and of dq, dk, dv against FP32 math, and fwd+bwd time; then a kernel profile
   of the FA4 path at workload A's shape.
-- ``kernels``: FA4's own functions at head dim 72, with no LiteGen code in between: the dq bug
-  (dq against FP32 math, unpadded and zero-padded to 80, 96 and 128) and their times.
+- ``kernels``: FA4's own functions at head dim 72, with no LiteGen code in between, as released
+  and with LiteGen's dq fix (``fa4._match_dq_accumulator_to_kernel``): dq, dk, dv against FP32
+  math, unpadded and zero-padded to 96 (the ninth session's workaround), and their times.
+- ``layouts``: cuDNN and FA4 through LiteGen at one shape, with dO first in the layout a DiT's
+  backward makes ((batch, tokens, heads, dim) in memory), then contiguous, then the first again:
+  gradient errors against FP32 math. torch 2.11's cuDNN backward reuses the plan of the first
+  call for the second, and its gradients come out wrong.
 - ``shapes``: forward and backward time, cuDNN against FA4 through LiteGen, at workloads C, A
   and B's shapes.
-- ``copy``: ``litegen.kernels.fa4.copy_head_dim`` (the backward's padding) against ``F.pad``.
 
     python3 scripts/bench_fa4.py
     python3 scripts/bench_fa4.py --section kernels
@@ -22,6 +26,8 @@ The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -97,8 +103,9 @@ def kernels() -> None:
 
 
 def kernels_at(batch: int, heads: int, tokens: int) -> None:
-    """FA4's functions at head dim 72, unpadded and zero-padded, against cuDNN."""
-    interface = fa4.interface()
+    """FA4's functions at head dim 72, unpadded and zero-padded, with and without the dq fix."""
+    interface = fa4.interface()  # with LiteGen's dq fix
+    released = interface._bwd_postprocess_convert.__wrapped__
     qkv = packed_qkv(batch, heads, tokens, 72)
     q, k, v = qkv.unbind(2)  # FA4's layout, (batch, tokens, heads, dim)
     dout = torch.randn(batch, tokens, heads, 72, device=DEVICE, dtype=torch.bfloat16)
@@ -114,15 +121,38 @@ def kernels_at(batch: int, heads: int, tokens: int) -> None:
         grads = interface._flash_attn_bwd(qp, kp, vp, out, dp, lse, softmax_scale=scale)
         return [g[..., :72] for g in grads[:3]]
 
-    for padded in (72, 80, 96, 128):
-        errors = ""
-        if reference is not None:
-            errors = " ".join(max_error(g, r) for g, r in zip(run(padded), reference, strict=True))
-            errors = f", dq/dk/dv error {errors}"
-        ms = median_cuda_ms(lambda p=padded: run(p))
-        print(f"{(batch, heads, tokens)} FA4 head dim {padded}: {ms:.3f} ms fwd+bwd{errors}")
+    for fixed in (False, True):
+        label = "with the fix" if fixed else "as released"
+        with (
+            nullcontext()
+            if fixed
+            else mock.patch.object(interface, "_bwd_postprocess_convert", released)
+        ):
+            for padded in (72, 96):
+                errors = ""
+                if reference is not None:
+                    got = run(padded)
+                    errors = " ".join(max_error(g, r) for g, r in zip(got, reference, strict=True))
+                    errors = f", dq/dk/dv error {errors}"
+                ms = median_cuda_ms(lambda p=padded: run(p))
+                print(f"{(batch, heads, tokens)} FA4 {label}, head dim {padded}: {ms:.3f} ms "
+                      f"fwd+bwd{errors}", flush=True)  # fmt: skip
     ms = median_cuda_ms(lambda: attend(qkv, dout.transpose(1, 2), "cudnn"))
     print(f"{(batch, heads, tokens)} cuDNN: {ms:.3f} ms fwd+bwd", flush=True)
+
+
+def layouts() -> None:
+    shape = (2, 16, 1024, 72)
+    qkv = packed_qkv(*shape)
+    batch, heads, tokens, head_dim = shape
+    dout = torch.randn(batch, tokens, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    order = {"(b, s, h, d)": dout.transpose(1, 2), "contiguous": dout.transpose(1, 2).contiguous()}
+    reference = attend(qkv.float(), order["contiguous"].float(), "math")[1]
+    for backend in ("cudnn", "flash_attn"):
+        for layout in ("(b, s, h, d)", "contiguous", "(b, s, h, d)"):
+            grad = attend(qkv, order[layout], backend)[1]
+            errors = " ".join(max_error(grad[:, :, i], reference[:, :, i]) for i in range(3))
+            print(f"{shape} {backend}, dO {layout}: dq/dk/dv error {errors}", flush=True)
 
 
 def shapes() -> None:
@@ -150,22 +180,7 @@ def forward_and_backward(name: str, shape: tuple[int, int, int, int], backend: s
     )
 
 
-def copy() -> None:
-    qkv = packed_qkv(*SHAPES["A"][:3], 72)
-    q = qkv.unbind(2)[0]
-    padded = q.new_empty(*q.shape[:-1], 96)
-    moved = q.numel() * q.element_size() + padded.numel() * padded.element_size()
-    default = fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS
-    for rows, warps in [(32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (128, 4)]:
-        fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = rows, warps
-        ms = median_cuda_ms(lambda: fa4.copy_head_dim(q, padded), calls=50)
-        print(f"copy_head_dim rows={rows} warps={warps}: {ms * 1e3:.1f} us, "
-              f"{moved / ms / 1e9:.2f} TB/s")  # fmt: skip
-    fa4._ROWS_PER_PROGRAM, fa4._NUM_WARPS = default
-    print(f"F.pad: {median_cuda_ms(lambda: F.pad(q, (0, 24)), calls=50) * 1e3:.1f} us")
-
-
-SECTIONS = {"check": check, "kernels": kernels, "shapes": shapes, "copy": copy}
+SECTIONS = {"check": check, "kernels": kernels, "layouts": layouts, "shapes": shapes}
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ def attend(qkv: torch.Tensor, backend: str, dout: torch.Tensor):
 def test_fa4_output_and_gradients_match_fp32_math(head_dim):
     assert activate_fa4(DEVICE)
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
-    qkv = torch.randn(2, 1024, 3, 8, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    dout = torch.randn(2, 8, 1024, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    qkv = torch.randn(2, 1024, 3, 16, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    dout = torch.randn(2, 16, 1024, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     ref_out, ref_grad = attend(qkv.float(), "math", dout.float())
     out, grad = attend(qkv, "flash_attn", dout)
     cudnn_out, cudnn_grad = attend(qkv, "cudnn", dout)

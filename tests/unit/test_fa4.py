@@ -1,75 +1,73 @@
 """FA4 behind torch's flash SDPA ops (litegen.kernels.fa4), on CPU with a stand-in for FA4.
 
 The stand-in computes attention in FP32 with FA4's call signature and layout (batch, tokens,
-heads, dim), and records what it was given. The checks run in a child process under Triton's
-interpreter, which must be set before the kernel module is imported:
+heads, dim), and records what it was given:
 
 * outputs and gradients equal torch's math attention, from q, k, v that are views of one packed
-  qkv tensor, as a DiT's attention makes them;
+  qkv tensor, as a DiT's attention makes them, at head dims 72 and 64, with FA4 writing the
+  gradients into tensors LiteGen allocates;
 * every output has the strides of the aten ops' meta kernels, which compiled graphs assert;
-* the backward pads q, k, v, out and dout with zeros to head dim 96 for head dim 72 (FA4's dq
-  bug, see the module) and not at all for 64, where it hands FA4 the gradients to write into;
-* ``copy_head_dim`` pads and slices any strides, with zeros past the source.
+* the dq fix hands FA4's postprocess its Hopper kernel's head-dim rounding (16, not 32), and
+  nothing else changes;
+* only the tested FA4 release is accepted.
 
 tests/gpu/test_fa4_gpu.py runs the real kernels.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import types
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from litegen.kernels import attention
+from litegen.kernels import attention, fa4
 
-pytest.importorskip("triton")
-
-CHILD = r"""
-import types
-import torch
-import torch.nn.functional as F
-from litegen.kernels import fa4
-
-seen = {}
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 
 
-def attend(q, k, v, scale):  # FA4's layout: (batch, tokens, heads, dim)
-    scale = q.size(-1) ** -0.5 if scale is None else scale  # FA4's default
-    scores = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) * scale
-    out = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.float())
-    return out, scores.logsumexp(-1)
+class StandInFA4:
+    """FA4's two private functions, in FP32, recording the calls."""
 
+    def __init__(self):
+        self.seen = {}
 
-def fwd(q, k, v, softmax_scale, causal, return_lse, out):
-    assert return_lse and not causal
-    seen["forward head dims"] = {t.size(-1) for t in (q, k, v, out)}
-    result, lse = attend(q, k, v, softmax_scale)
-    out.copy_(result)
-    return out, lse, None, None, None
+    @staticmethod
+    def attend(q, k, v, scale):  # FA4's layout: (batch, tokens, heads, dim)
+        scale = q.size(-1) ** -0.5 if scale is None else scale  # FA4's default
+        scores = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) * scale
+        out = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.float())
+        return out, scores.logsumexp(-1)
 
+    def _flash_attn_fwd(self, q, k, v, softmax_scale, causal, return_lse, out):
+        assert return_lse and not causal
+        result, lse = self.attend(q, k, v, softmax_scale)
+        out.copy_(result)
+        return out, lse, None, None, None
 
-def bwd(q, k, v, out, dout, lse, softmax_scale, causal, deterministic, dq, dk, dv):
-    seen["backward head dims"] = {t.size(-1) for t in (q, k, v, out, dout)}
-    seen["preallocated"] = [t is not None for t in (dq, dk, dv)]
-    seen["zero padding"] = all(bool((t[..., 72:] == 0).all()) for t in (q, k, v, out, dout))
-    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
-    attend(q, k, v, softmax_scale)[0].backward(dout.float())
-    return tuple(t.grad for t in (q, k, v))
-
-
-fa4.interface = lambda: types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)
-flash = torch.ops.aten._scaled_dot_product_flash_attention.default
-flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    def _flash_attn_bwd(
+        self, q, k, v, out, dout, lse, softmax_scale, causal, deterministic, dq, dk, dv
+    ):
+        self.seen["head dims"] = {t.size(-1) for t in (q, k, v, out, dout)}
+        q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+        self.attend(q, k, v, softmax_scale)[0].backward(dout.float())
+        for grad, source in zip((dq, dk, dv), (q, k, v), strict=True):
+            grad.copy_(source.grad)
+        return dq, dk, dv
 
 
 def on_meta(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def check(head_dim):
+@pytest.mark.parametrize("head_dim", [72, 64])
+def test_fa4_ops_match_math_attention_and_the_meta_layouts(head_dim):
+    stand_in = StandInFA4()
     gen = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(2, 24, 3, 4, head_dim, generator=gen).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (batch, heads, tokens, dim) views
@@ -77,48 +75,62 @@ def check(head_dim):
     reference = F.scaled_dot_product_attention(q, k, v)
     reference.backward(dout)
 
-    results = fa4.forward(q.detach(), k.detach(), v.detach())
-    out, lse = results[:2]
-    grads = fa4.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, None, None,
-                         24, 24, 0.0, False, results[6], results[7])
+    with mock.patch.object(fa4, "interface", return_value=stand_in):
+        results = fa4.forward(q.detach(), k.detach(), v.detach())
+        out, lse = results[:2]
+        grads = fa4.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, None, None,
+                             24, 24, 0.0, False, results[6], results[7])  # fmt: skip
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-    for grad, expected in zip(grads, qkv.grad.permute(2, 0, 3, 1, 4)):
+    for grad, expected in zip(grads, qkv.grad.permute(2, 0, 3, 1, 4), strict=True):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+    assert stand_in.seen["head dims"] == {head_dim}  # no padding
 
-    meta = flash(*(on_meta(t) for t in (q, k, v)))
-    assert out.stride() == meta[0].stride() and lse.shape == meta[1].shape, (out.stride(), meta)
+    meta = FLASH(*(on_meta(t) for t in (q, k, v)))
+    assert out.stride() == meta[0].stride() and lse.shape == meta[1].shape
     assert lse.stride() == meta[1].stride() and lse.dtype == meta[1].dtype
-    meta_grads = flash_backward(*(on_meta(t) for t in (dout, q, k, v, out, lse)), None, None,
-                                24, 24, 0.0, False, *(on_meta(t) for t in results[6:8]))
+    meta_grads = FLASH_BACKWARD(*(on_meta(t) for t in (dout, q, k, v, out, lse)), None, None,
+                                24, 24, 0.0, False, *(on_meta(t) for t in results[6:8]))  # fmt: skip
     assert [g.stride() for g in grads] == [g.stride() for g in meta_grads]
-    return seen.copy()
 
 
-seen72 = check(72)
-assert seen72["forward head dims"] == {72}, seen72
-assert seen72["backward head dims"] == {96} and seen72["zero padding"], seen72
-assert seen72["preallocated"] == [False] * 3, seen72
-seen64 = check(64)
-assert seen64["backward head dims"] == {64} and seen64["preallocated"] == [True] * 3, seen64
-
-packed = torch.randn(2, 5, 3, 4, 72)
-q = packed.unbind(2)[0]
-padded = fa4.copy_head_dim(q, torch.full((2, 5, 4, 96), 7.0))
-assert torch.equal(padded[..., :72], q) and bool((padded[..., 72:] == 0).all())
-back = fa4.copy_head_dim(padded, torch.empty(2, 4, 5, 72).transpose(1, 2))
-assert torch.equal(back, q)
-try:
-    fa4.forward(*packed.permute(2, 0, 3, 1, 4), dropout_p=0.1)
-except RuntimeError as err:
-    assert "dropout" in str(err)
-else:
-    raise AssertionError("dropout was accepted")
-print("ok")
-"""
+def test_fa4_refuses_dropout():
+    q, k, v = torch.randn(3, 2, 4, 5, 72).unbind(0)
+    with pytest.raises(RuntimeError, match="dropout"):
+        fa4.forward(q, k, v, dropout_p=0.1)
 
 
-def test_fa4_ops_match_math_attention_and_the_meta_layouts(triton_interpreter):
-    assert triton_interpreter("-c", CHILD).strip().endswith("ok")
+def fake_fa4_module(arch: int) -> types.SimpleNamespace:
+    """FA4's interface module as far as the dq fix sees it; calls record hdim_multiple_of."""
+    calls = []
+
+    def preprocess(out, dout, *, hdim_multiple_of=32, fake_mode):
+        calls.append(("pre", hdim_multiple_of))
+
+    def postprocess(accum, output, *, hdim_multiple_of=32, fake_mode):
+        calls.append(("post", hdim_multiple_of))
+
+    postprocess.compile_cache = {"post": "kernel"}
+    return types.SimpleNamespace(
+        _get_device_arch=lambda: arch,
+        _bwd_preprocess=preprocess,
+        _bwd_postprocess_convert=postprocess,
+        calls=calls,
+    )
+
+
+@pytest.mark.parametrize(
+    ("arch", "passed", "expected"),
+    [(90, 32, 16), (90, 64, 64), (100, 32, 32)],
+)
+def test_dq_fix_gives_hoppers_postprocess_the_kernels_rounding(arch, passed, expected):
+    module = fake_fa4_module(arch)
+    fa4._match_dq_accumulator_to_kernel(module)
+    fa4._match_dq_accumulator_to_kernel(module)  # a second load must not wrap twice
+    module._bwd_preprocess(1, 2, hdim_multiple_of=passed, fake_mode=False)
+    module._bwd_postprocess_convert(1, 2, hdim_multiple_of=passed, fake_mode=False)
+    # The preprocess only zeroes the accumulator, in a buffer sized for FA4's own rounding.
+    assert module.calls == [("pre", passed), ("post", expected)]
+    assert module._bwd_postprocess_convert.compile_cache == {"post": "kernel"}  # looked up by name
 
 
 def test_flash_attn_puts_torchs_flash_backend_first_once_fa4_is_active():
@@ -138,13 +150,24 @@ def test_fa4_stays_off_without_a_gpu_or_the_package():
     assert attention.activate_fa4("cpu") is False
     with mock.patch.object(torch.cuda, "is_available", return_value=False):
         assert attention.activate_fa4("cuda") is False
-    from litegen.kernels import fa4
-
     fa4.interface.cache_clear()  # a real FA4 found earlier in this process would be cached
-    with mock.patch.object(fa4.importlib, "import_module", side_effect=ImportError("no FA4")):
+    missing = importlib.metadata.PackageNotFoundError("flash-attn-4")
+    with mock.patch.object(importlib.metadata, "version", side_effect=missing):
         assert fa4.register() is False
+
+
+def test_fa4_accepts_only_the_tested_release():
+    fa4.interface.cache_clear()
     with (
-        mock.patch.object(fa4.importlib, "import_module", return_value=types.SimpleNamespace()),
-        pytest.raises(ImportError, match="update flash-attn-4"),
+        mock.patch.object(importlib.metadata, "version", return_value="4.0.0b99"),
+        pytest.raises(ImportError, match=r"flash-attn-4==4\.0\.0b36 and found 4\.0\.0b99"),
     ):
         fa4.interface()
+    fa4.interface.cache_clear()
+    with (
+        mock.patch.object(importlib.metadata, "version", return_value=fa4.FA4_VERSION),
+        mock.patch.object(fa4.importlib, "import_module", return_value=types.SimpleNamespace()),
+        pytest.raises(ImportError, match="_flash_attn_fwd"),
+    ):
+        fa4.interface()
+    fa4.interface.cache_clear()

@@ -9,6 +9,11 @@ ops as before, with their meta kernels. torch 2.11 has a prototype of the same i
 (``torch.nn.attention.activate_flash_attention_impl("FA4")``); it expects FA4's forward to return
 two values and fails on current FA4 releases, which return five.
 
+FA4 4.0.0b36 computes dq wrong on Hopper at head dims that are not multiples of 32 (such as the
+benchmark DiTs' 72); :func:`interface` fixes that in FA4's module when it loads it
+(:func:`_match_dq_accumulator_to_kernel`). LiteGen calls FA4's private functions, so it accepts
+only the release it was tested with, :data:`FA4_VERSION` (the extra pins it).
+
 Outputs are allocated the way the ops' meta kernels allocate them (``torch.empty_like`` of the
 input): compiled graphs assert those strides. For a model that splits a fused qkv projection,
 that is FA4's own layout, (batch, tokens, heads, dim) in memory, so FA4 writes the output in
@@ -24,14 +29,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 from types import ModuleType
 
 import torch
-import triton
-import triton.language as tl
 
 FA4_MODULE = "flash_attn.cute.interface"
-HEAD_DIM_MULTIPLE = 32  # head dims FA4's Hopper backward gets right (see _pad_head_dim)
+FA4_VERSION = "4.0.0b36"  # the flash-attn-4 release LiteGen's FA4 path is tested with
 _library: torch.library.Library | None = None  # kept alive: dropping it unregisters the kernels
 
 
@@ -52,13 +56,50 @@ def register() -> bool:
 
 @functools.cache
 def interface() -> ModuleType:
-    """FA4's interface module (ImportError when the package or its kernels are missing)."""
+    """FA4's interface module, with its Hopper dq fixed (ImportError without the tested FA4)."""
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ImportError("flash-attn-4 is not installed") from err
+    if version != FA4_VERSION:
+        raise ImportError(
+            f"LiteGen's FA4 path is tested with flash-attn-4=={FA4_VERSION} and found {version}; "
+            "install the tested release with `uv sync --all-packages --extra flash-attn-4`"
+        )
     module = importlib.import_module(FA4_MODULE)
     if not hasattr(module, "_flash_attn_fwd") or not hasattr(module, "_flash_attn_bwd"):
-        raise ImportError(
-            f"{FA4_MODULE} has no _flash_attn_fwd/_flash_attn_bwd; update flash-attn-4"
-        )
+        raise ImportError(f"{FA4_MODULE} has no _flash_attn_fwd/_flash_attn_bwd")
+    _match_dq_accumulator_to_kernel(module)
     return module
+
+
+def _match_dq_accumulator_to_kernel(module: ModuleType) -> None:
+    """Make FA4's backward postprocess read dq's accumulator the way its Hopper kernel writes it.
+
+    FA4's backward accumulates dq in FP32, tile by tile, into a buffer that a postprocess kernel
+    converts to dq. Its Hopper (SM90) backward kernel lays the tiles out by the head dim rounded
+    up to 16 (``flash_bwd_sm90.py``), while ``_flash_attn_bwd`` tells the postprocess to round it
+    up to 32 (``hdim_multiple_of``). At head dim 72 the kernel writes rows of 80 that the
+    postprocess reads as rows of 96: dq was off by up to 0.75 on H200, while the output, dk and
+    dv were right; at multiples of 32 the two agree. The preprocess, which zeroes the buffer
+    (sized for the 32 rounding, so it holds the kernel's layout), keeps FA4's 32: given 16 it
+    made every gradient wrong at head dim 72. Blackwell's kernel rounds to 32, and Hopper's
+    swapped-operand configuration (``dKV_swapAB``) passes 64, so only Hopper's 32 becomes 16.
+    FA4's module is changed in place, for every caller in the process.
+    """
+    original = module._bwd_postprocess_convert
+    if hasattr(original, "__wrapped__"):
+        return  # already matched (interface() was loaded again)
+    device_arch = module._get_device_arch  # cached by FA4
+
+    # functools.wraps also carries over the kernel cache FA4 keeps on the function.
+    @functools.wraps(original)
+    def with_kernel_rounding(*args, hdim_multiple_of=32, **kwargs):
+        if hdim_multiple_of == 32 and device_arch() // 10 == 9:
+            hdim_multiple_of = 16
+        return original(*args, hdim_multiple_of=hdim_multiple_of, **kwargs)
+
+    module._bwd_postprocess_convert = with_kernel_rounding
 
 
 def forward(
@@ -119,14 +160,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten::_scaled_dot_product_flash_attention_backward`` on FA4."""
     grads = tuple(torch.empty_like(t) for t in (query, key, value))
-    scale = query.size(-1) ** -0.5 if scale is None else scale
-    # Padded in FA4's layout, so that the padded copies are contiguous in it.
-    padded = _pad_head_dim(*_bshd(query, key, value, out, grad_out))
-    unpadded = padded[0].size(-1) == query.size(-1)
-    # Unpadded, FA4 writes the gradients straight into their meta-kernel layout.
-    dq, dk, dv = _bshd(*grads) if unpadded else (None, None, None)
-    written = interface()._flash_attn_bwd(
-        *padded,
+    dq, dk, dv = _bshd(*grads)  # FA4 writes the gradients straight into their meta layout
+    interface()._flash_attn_bwd(
+        *_bshd(query, key, value, out, grad_out),
         logsumexp.contiguous(),
         softmax_scale=scale,
         causal=is_causal,
@@ -135,9 +171,6 @@ def backward(
         dk=dk,
         dv=dv,
     )
-    for grad, result in zip(grads, written[:3], strict=True):
-        if result.data_ptr() != grad.data_ptr():
-            copy_head_dim(result, grad.transpose(1, 2))
     return grads
 
 
@@ -146,90 +179,4 @@ def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-def _pad_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors zero-padded to a head dim that is a multiple of 32 (unchanged if it is one).
-
-    FA4's Hopper backward computes dq wrong when the head dim is not a multiple of 32 (measured
-    on H200 with flash-attn-4 4.0.0b36: dq off by up to 1.6 at 72 and 80, right at 96 and 128;
-    the output, dk and dv right at all four), and it needs one head dim for q, k and v. Zero
-    columns change neither q @ k^T nor the rows of dO @ O^T, so only the backward pads, with the
-    unpadded softmax scale, and the gradients are sliced back.
-    """
-    head_dim = tensors[0].size(-1)
-    padded = -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
-    if padded == head_dim:
-        return tensors
-    return tuple(copy_head_dim(t, t.new_empty(*t.shape[:-1], padded)) for t in tensors)
-
-
-def copy_head_dim(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Copy ``src``'s first columns into ``dst``, zero-filling what is past ``src``'s; returns dst.
-
-    One pass for both directions of the padding above, over (batch, tokens, heads, dim) tensors
-    of any strides whose last dim is contiguous. Padding A's q from 72 to 96 columns measured
-    1.5-2.7x faster than ``F.pad`` on H200 (``scripts/bench_fa4.py --section copy``).
-
-    Example:
-        >>> copy_head_dim(q, q.new_empty(*q.shape[:-1], 96))  # q zero-padded to head dim 96
-    """
-    assert src.shape[:-1] == dst.shape[:-1] and src.stride(-1) == dst.stride(-1) == 1
-    batch, tokens, heads, _ = src.shape
-    rows = batch * tokens * heads
-    block_dim = triton.next_power_of_2(max(src.size(-1), dst.size(-1)))
-    _copy_head_dim_kernel[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](
-        src,
-        dst,
-        rows,
-        tokens,
-        heads,
-        *src.stride()[:3],
-        *dst.stride()[:3],
-        SRC_DIM=src.size(-1),
-        DST_DIM=dst.size(-1),
-        ROWS=_ROWS_PER_PROGRAM,
-        BLOCK_DIM=block_dim,
-        num_warps=_NUM_WARPS,
-    )
-    return dst
-
-
-_ROWS_PER_PROGRAM, _NUM_WARPS = 32, 4
-
-
-@triton.jit
-def _copy_head_dim_kernel(
-    src,
-    dst,
-    rows,
-    tokens,
-    heads,
-    src_batch_stride,
-    src_token_stride,
-    src_head_stride,
-    dst_batch_stride,
-    dst_token_stride,
-    dst_head_stride,
-    SRC_DIM: tl.constexpr,
-    DST_DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-):
-    # A row is one (batch, token, head); rows run in that order, so a (batch, tokens, heads,
-    # dim)-contiguous side is read or written in one sweep.
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    col = tl.arange(0, BLOCK_DIM)
-    head = row % heads
-    token = (row // heads) % tokens
-    batch = row // (heads * tokens)
-    in_rows = (row < rows)[:, None]
-    src_row = batch * src_batch_stride + token * src_token_stride + head * src_head_stride
-    dst_row = batch * dst_batch_stride + token * dst_token_stride + head * dst_head_stride
-    values = tl.load(
-        src + src_row[:, None] + col[None, :],
-        mask=in_rows & (col[None, :] < SRC_DIM),
-        other=0.0,
-    )
-    tl.store(dst + dst_row[:, None] + col[None, :], values, mask=in_rows & (col[None, :] < DST_DIM))
-
-
-__all__ = ["FA4_MODULE", "backward", "copy_head_dim", "forward", "interface", "register"]
+__all__ = ["FA4_MODULE", "FA4_VERSION", "backward", "forward", "interface", "register"]
