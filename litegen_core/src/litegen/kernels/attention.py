@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from litegen.kernels import fa4
+
 BACKENDS: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -102,8 +104,6 @@ def activate_fa4(device: torch.device | str) -> bool:
         return False
     if torch.cuda.get_device_capability(device)[0] not in FA4_MAJORS:
         return False
-    from litegen.kernels import fa4  # imports Triton, which only CUDA machines need
-
     return fa4.register()
 
 

@@ -80,7 +80,7 @@ def _match_dq_accumulator_to_kernel(module: ModuleType) -> None:
     converts to dq. Its Hopper (SM90) backward kernel lays the tiles out by the head dim rounded
     up to 16 (``flash_bwd_sm90.py``), while ``_flash_attn_bwd`` tells the postprocess to round it
     up to 32 (``hdim_multiple_of``). At head dim 72 the kernel writes rows of 80 that the
-    postprocess reads as rows of 96: dq was off by up to 0.75 on H200, while the output, dk and
+    postprocess reads as rows of 96: dq was off by up to 0.9 on H200, while the output, dk and
     dv were right; at multiples of 32 the two agree. The preprocess, which zeroes the buffer
     (sized for the 32 rounding, so it holds the kernel's layout), keeps FA4's 32: given 16 it
     made every gradient wrong at head dim 72. Blackwell's kernel rounds to 32, and Hopper's
