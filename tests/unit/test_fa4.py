@@ -9,6 +9,7 @@ heads, dim), and records what it was given:
 * every output has the strides of the aten ops' meta kernels, which compiled graphs assert;
 * the dq fix hands FA4's postprocess its Hopper kernel's head-dim rounding (16, not 32), and
   nothing else changes;
+* the forward asks for 128 x 128 tiles only where FA4's Hopper default pads short sequences;
 * only the tested FA4 release is accepted.
 
 tests/gpu/test_fa4_gpu.py runs the real kernels.
@@ -44,8 +45,8 @@ class StandInFA4:
         out = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.float())
         return out, scores.logsumexp(-1)
 
-    def _flash_attn_fwd(self, q, k, v, softmax_scale, causal, return_lse, out):
-        assert return_lse and not causal
+    def _flash_attn_fwd(self, q, k, v, softmax_scale, causal, return_lse, out, tile_mn):
+        assert return_lse and not causal and tile_mn is None  # FA4's tiles off Hopper
         result, lse = self.attend(q, k, v, softmax_scale)
         out.copy_(result)
         return out, lse, None, None, None
@@ -91,6 +92,35 @@ def test_fa4_ops_match_math_attention_and_the_meta_layouts(head_dim):
     meta_grads = FLASH_BACKWARD(*(on_meta(t) for t in (dout, q, k, v, out, lse)), None, None,
                                 24, 24, 0.0, False, *(on_meta(t) for t in results[6:8]))  # fmt: skip
     assert [g.stride() for g in grads] == [g.stride() for g in meta_grads]
+
+
+class Shape:
+    """What the forward's tile choice reads of a CUDA tensor: its size and device."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape, self.device = shape, torch.device("cuda")
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+@pytest.mark.parametrize(
+    ("batch_heads_tokens_dim", "is_causal", "major", "expected"),
+    [
+        ((128, 16, 256, 72), False, 9, (128, 128)),  # workload C: FA4's 192 x 144 pads 1.7x
+        ((8, 16, 4096, 72), False, 9, None),  # workload A: FA4's tiles pad 5%
+        ((128, 16, 256, 72), True, 9, None),  # FA4 tunes causal tiles itself
+        ((128, 16, 256, 64), False, 9, None),  # other head dims have other default tiles
+        ((128, 16, 256, 128), False, 9, None),
+        ((128, 16, 256, 72), False, 10, None),  # Blackwell
+    ],
+)
+def test_forward_tiles_shrink_only_where_fa4s_hopper_tiles_pad_a_lot(
+    batch_heads_tokens_dim, is_causal, major, expected
+):
+    query = Shape(*batch_heads_tokens_dim)
+    with mock.patch.object(fa4, "_major", return_value=major):
+        assert fa4._forward_tile(query, query, is_causal) == expected
 
 
 def test_fa4_refuses_dropout():

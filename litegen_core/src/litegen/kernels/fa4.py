@@ -125,6 +125,7 @@ def forward(
         causal=is_causal,
         return_lse=True,
         out=out.transpose(1, 2),
+        tile_mn=_forward_tile(query, key, is_causal),
     )
     device = query.device
     return (
@@ -138,6 +139,31 @@ def forward(
         torch.zeros((), dtype=torch.uint64, device=device),
         torch.empty(0, dtype=query.dtype, device=device),
     )
+
+
+def _forward_tile(query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> tuple | None:
+    """128 x 128 forward tiles where FA4's Hopper default would pad the sequences by far more.
+
+    For head dims 65-96, FA4's Hopper forward takes tiles of 192 queries by 144 keys, its
+    fastest for long sequences. At 256 tokens (workload C) they pad the work to 384 x 288,
+    1.7 times the real 256 x 256, which 128 x 128 tiles cover exactly: the forward kernel took
+    0.203 ms instead of 0.269 on H200 (``docs/benchmarks.md``). ``None`` keeps FA4's choice.
+    """
+    hopper = query.device.type == "cuda" and _major(query.device) == 9
+    if is_causal or not 64 < query.size(-1) <= 96 or not hopper:
+        return None
+    queries, keys = query.size(2), key.size(2)
+    default = _round_up(queries, 192) * _round_up(keys, 144)
+    return (128, 128) if _round_up(queries, 128) * _round_up(keys, 128) < 0.8 * default else None
+
+
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+@functools.cache
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def backward(
