@@ -12,7 +12,8 @@ two values and fails on current FA4 releases, which return five.
 FA4 4.0.0b36 computes dq wrong on Hopper at head dims that are not multiples of 32 (such as the
 benchmark DiTs' 72); :func:`interface` fixes that in FA4's module when it loads it
 (:func:`_match_dq_accumulator_to_kernel`). LiteGen calls FA4's private functions, so it accepts
-only the release it was tested with, :data:`FA4_VERSION` (the extra pins it).
+only the release it was tested with, :data:`FA4_VERSION` (the extra pins it). On Hopper, short
+sequences get smaller forward tiles than FA4's default (:func:`_forward_tile`).
 
 Outputs are allocated the way the ops' meta kernels allocate them (``torch.empty_like`` of the
 input): compiled graphs assert those strides. For a model that splits a fused qkv projection,
