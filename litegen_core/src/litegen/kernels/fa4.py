@@ -120,13 +120,14 @@ def forward(
             "optimization.kernels.attention_backend=auto"
         )
     out = torch.empty_like(query)
-    _, lse, *_ = interface()._flash_attn_fwd(
+    module = interface()
+    _, lse, *_ = module._flash_attn_fwd(
         *_bshd(query, key, value),
         softmax_scale=scale,
         causal=is_causal,
         return_lse=True,
         out=out.transpose(1, 2),
-        tile_mn=_forward_tile(query, key, is_causal),
+        tile_mn=_forward_tile(query, key, is_causal, module._get_device_arch()),
     )
     device = query.device
     return (
@@ -142,16 +143,18 @@ def forward(
     )
 
 
-def _forward_tile(query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> tuple | None:
+def _forward_tile(
+    query: torch.Tensor, key: torch.Tensor, is_causal: bool, arch: int
+) -> tuple[int, int] | None:
     """128 x 128 forward tiles where FA4's Hopper default would pad the sequences by far more.
 
     For head dims 65-96, FA4's Hopper forward takes tiles of 192 queries by 144 keys, its
     fastest for long sequences. At 256 tokens (workload C) they pad the work to 384 x 288,
     1.7 times the real 256 x 256, which 128 x 128 tiles cover exactly: the forward kernel took
-    0.203 ms instead of 0.269 on H200 (``docs/benchmarks.md``). ``None`` keeps FA4's choice.
+    0.203 ms instead of 0.269 on H200 (``docs/benchmarks.md``). ``arch`` is FA4's own (90 on
+    Hopper), which picks its kernels. ``None`` keeps FA4's choice.
     """
-    hopper = query.device.type == "cuda" and _major(query.device) == 9
-    if is_causal or not 64 < query.size(-1) <= 96 or not hopper:
+    if is_causal or not 64 < query.size(-1) <= 96 or arch // 10 != 9:
         return None
     queries, keys = query.size(2), key.size(2)
     default = _round_up(queries, 192) * _round_up(keys, 144)
@@ -160,11 +163,6 @@ def _forward_tile(query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> tu
 
 def _round_up(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
-
-
-@functools.cache
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def backward(
