@@ -411,6 +411,9 @@ def main() -> None:
         if args.set:  # the LiteGen side's own settings (its attention backend, say)
             title += "\nLiteGen only: " + " ".join(args.set)
         print_table(runner_rows, title)
+        packed_qkv = sys.modules.get("litegen.kernels.packed_qkv")
+        if packed_qkv is not None:  # imported when LiteGen's blocks compile with FA4
+            print(f"LiteGen SDPA calls given to FA4 as packed qkv: {packed_qkv.PACK_QKV.rewritten}")
         print_profiles(runner_rows)
     dist.destroy_process_group()
 

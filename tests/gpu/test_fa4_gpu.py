@@ -77,3 +77,51 @@ def test_compiled_block_runs_fa4_kernels_and_matches_eager():
     assert "flash_fwd_sm" in kernels and "flash_bwd_sm" in kernels, kernels
     torch.testing.assert_close(out, eager_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(proj.weight.grad, eager_grad, rtol=2e-2, atol=2e-2)
+
+
+class Attention(torch.nn.Module):
+    """A DiT's attention at workload C's head dim (72)."""
+
+    def __init__(self, hidden: int = 1152, heads: int = 16) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_compiled_blocks_hand_fa4_the_packed_qkv_with_the_same_results():
+    from litegen.compile import compile_blocks
+    from litegen.kernels.packed_qkv import PACK_QKV
+    from litegen.utils.config import CompileConfig
+
+    assert activate_fa4(DEVICE)
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(*(Attention() for _ in range(2))) for _ in range(2)]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    x = torch.randn(8, 256, 1152, device=DEVICE, dtype=torch.bfloat16)
+    results = []
+    for model, pack_qkv in zip(blocks, (False, True), strict=True):
+        model.to(DEVICE, torch.bfloat16)
+        torch._dynamo.reset()
+        compile_blocks(model, CompileConfig(enabled=True), pack_qkv=pack_qkv)
+        before = PACK_QKV.rewritten
+        # Compiled, not loaded from the caches: the pass runs (and counts) only in a compile.
+        no_caches = (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        )
+        with attention_context("flash_attn", DEVICE), no_caches[0], no_caches[1]:
+            out = model(x)
+            out.float().square().mean().backward()
+        results.append((out, [p.grad for p in model.parameters()], PACK_QKV.rewritten - before))
+    (plain_out, plain_grads, plain_rewrites), (out, grads, rewrites) = results
+    assert plain_rewrites == 0 and rewrites >= 1  # the blocks share one graph
+    torch.testing.assert_close(out, plain_out, rtol=2e-2, atol=2e-2)
+    for grad, expected in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=2e-2, atol=2e-2)

@@ -79,6 +79,7 @@ class _CompiledForward:
         is_block: bool = True,
         choices: Any = None,
         cache_key_slot_free: bool = True,
+        pre_grad_pass: CustomGraphPass | None = None,
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
@@ -89,6 +90,7 @@ class _CompiledForward:
         self.choices = choices  # inductor heuristics for this block's graphs, or None
         # Whether torch.compile's options leave inductor's post-grad pass slot to LiteGen.
         self.cache_key_slot_free = cache_key_slot_free
+        self.pre_grad_pass = pre_grad_pass  # LiteGen's rewrite of the blocks' graphs, or None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -106,6 +108,10 @@ class _CompiledForward:
 
                 settings.enter_context(V.set_choices_handler(self.choices))
                 settings.enter_context(_caches_keyed_on(self.choices, self.cache_key_slot_free))
+            inductor_config = torch._inductor.config
+            if self.pre_grad_pass is not None and inductor_config.pre_grad_custom_pass is None:
+                pre_grad = {"pre_grad_custom_pass": self.pre_grad_pass}
+                settings.enter_context(inductor_config.patch(**pre_grad))
             return self.compiled(*args, **kwargs)
 
 
@@ -183,6 +189,7 @@ def compile_blocks(
     paths: Sequence[str] | None = None,
     backend: str | Callable | None = None,
     memory_budget: float | None = None,
+    pack_qkv: bool = False,
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
@@ -191,7 +198,9 @@ def compile_blocks(
     :func:`litegen.memory.repeated_blocks`; the whole model's ``forward`` when it has none).
     ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
     use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward
-    (module docstring); ``None`` leaves compile's default.
+    (module docstring); ``None`` leaves compile's default. ``pack_qkv`` (for runs whose attention
+    is FA4) hands FA4 the packed qkv tensor of each block's attention
+    (:mod:`litegen.kernels.packed_qkv`), unless inductor's options hold a pre-grad pass already.
 
     Example:
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
@@ -228,6 +237,11 @@ def compile_blocks(
         from litegen.kernels.row_reductions import PersistentRows
 
         choices = PersistentRows(compile_cfg.persistent_rows)
+    pre_grad_pass = None
+    if pack_qkv and "pre_grad_custom_pass" not in kwargs.get("options", {}):
+        from litegen.kernels.packed_qkv import PACK_QKV
+
+        pre_grad_pass = PACK_QKV
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
@@ -257,6 +271,7 @@ def compile_blocks(
             is_block=bool(path),
             choices=choices,
             cache_key_slot_free="post_grad_custom_post_pass" not in kwargs.get("options", {}),
+            pre_grad_pass=pre_grad_pass,
         )
         done.append(path)
     return done

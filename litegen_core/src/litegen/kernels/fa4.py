@@ -185,7 +185,27 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten::_scaled_dot_product_flash_attention_backward`` on FA4."""
     grads = tuple(torch.empty_like(t) for t in (query, key, value))
-    dq, dk, dv = _bshd(*grads)  # FA4 writes the gradients straight into their meta layout
+    backward_into(grads, grad_out, query, key, value, out, logsumexp, is_causal, scale)
+    return grads
+
+
+def backward_into(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> None:
+    """FA4's dq, dk, dv of (batch, heads, tokens, dim) inputs, written into ``grads``.
+
+    FA4 writes the gradients straight into ``grads``, whatever their strides (last one 1): the
+    aten op's meta layout, or slices of one packed buffer (:mod:`litegen.kernels.packed_qkv`).
+    """
+    dq, dk, dv = _bshd(*grads)
     interface()._flash_attn_bwd(
         *_bshd(query, key, value, out, grad_out),
         logsumexp.contiguous(),
@@ -196,7 +216,6 @@ def backward(
         dk=dk,
         dv=dv,
     )
-    return grads
 
 
 def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -204,4 +223,12 @@ def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-__all__ = ["FA4_MODULE", "FA4_VERSION", "backward", "forward", "interface", "register"]
+__all__ = [
+    "FA4_MODULE",
+    "FA4_VERSION",
+    "backward",
+    "backward_into",
+    "forward",
+    "interface",
+    "register",
+]

@@ -190,7 +190,10 @@ class LiteGen(CheckpointAPI):
                 from litegen.compile import compile_blocks
 
                 compiled = compile_blocks(
-                    model, optimization.compile, memory_budget=memory.memory_budget
+                    model,
+                    optimization.compile,
+                    memory_budget=memory.memory_budget,
+                    pack_qkv=self._attention_is_fa4(),
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -241,6 +244,14 @@ class LiteGen(CheckpointAPI):
         if self.ema is None:
             raise ValueError("update_ema needs ema.enable: true and a prepared trainable model.")
         self.ema.update(self.config.ema.decay if decay is None else decay)
+
+    def _attention_is_fa4(self) -> bool:
+        """Whether this run's attention is FA4 (``attention_backend: flash_attn`` with FA4 active)."""
+        if self.config.optimization.kernels.attention_backend != "flash_attn":
+            return False
+        from litegen.kernels.attention import activate_fa4
+
+        return activate_fa4(self.device)
 
     def attention_context(self) -> AbstractContextManager:
         """The ``optimization.kernels.attention_backend`` context; the trainer enters it.
