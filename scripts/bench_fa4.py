@@ -16,9 +16,14 @@ flash-attn-4``). Sections, all by default:
   call for the second, and its gradients come out wrong.
 - ``shapes``: forward and backward time, cuDNN against FA4 through LiteGen, at workloads C, A
   and B's shapes.
+- ``configs``: at workload C's shape, kernel times from the profiler of FA4's backward under
+  other configurations (with their gradient errors) and of its forward under other tiles; cuDNN's
+  forward, whose log-sum-exp FA4's backward can take; and FA4's backward writing into one packed
+  buffer against three tensors stacked afterwards (``litegen.kernels.packed_qkv``).
 
     python3 scripts/bench_fa4.py
     python3 scripts/bench_fa4.py --section kernels
+    python3 scripts/bench_fa4.py --section configs
 
 The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
 """
@@ -26,6 +31,7 @@ The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from contextlib import nullcontext
 from unittest import mock
 
@@ -180,7 +186,89 @@ def forward_and_backward(name: str, shape: tuple[int, int, int, int], backend: s
     )
 
 
-SECTIONS = {"check": check, "kernels": kernels, "layouts": layouts, "shapes": shapes}
+def configs() -> None:
+    """At C's shape: FA4's backward configurations and forward tiles, cuDNN's log-sum-exp, packed grads."""
+    interface = fa4.interface()
+    batch, heads, tokens, head_dim = SHAPES["C"]
+    qkv = packed_qkv(batch, heads, tokens, head_dim)
+    q, k, v = qkv.unbind(2)  # FA4's layout, (batch, tokens, heads, dim)
+    dout = torch.randn_like(q)
+    _, grad = attend(qkv[:8].float(), dout[:8].float().transpose(1, 2), "math")
+    reference = grad.unbind(2)  # FP32 gradients of the first 8 batches
+    out, lse, *_ = interface._flash_attn_fwd(q, k, v, return_lse=True, tile_mn=(128, 128))
+
+    def backward(o=out, logsumexp=lse, grads=None) -> tuple[torch.Tensor, ...]:
+        grads = grads or tuple(torch.empty_like(t) for t in (q, k, v))
+        interface._flash_attn_bwd(
+            q, k, v, o, dout, logsumexp, dq=grads[0], dk=grads[1], dv=grads[2]
+        )
+        return grads
+
+    def errors(grads) -> str:
+        return " / ".join(max_error(g[:8], r) for g, r in zip(grads, reference, strict=True))
+
+    default = interface._tile_size_bwd_sm90(head_dim, head_dim, False, False)
+    variants = {
+        "FA4's own": {},
+        "128 x 128 (FA4's for head dim <= 64)": dict(m_block_size=128, AtomLayoutMdQ=2, dQ_single_wg=False),
+        "128 x 128, dQ in one warp group": dict(m_block_size=128),
+        "64 x 64": dict(n_block_size=64),
+        "128 x 64": dict(m_block_size=128, n_block_size=64),
+        "64 x 128, dQ in both warp groups": dict(dQ_single_wg=False),
+        "64 x 128, one PdS stage": dict(num_stages_PdS=1),
+        "64 x 256": dict(n_block_size=256),
+    }  # fmt: skip
+    for label, change in variants.items():
+        config = dataclasses.replace(default, **change)
+        with mock.patch.object(interface, "_tile_size_bwd_sm90", return_value=config):
+            grads = backward()
+            print(f"C backward, {label}: {kernel_ms(backward):.3f} ms, dq/dk/dv error "
+                  f"{errors(grads)}", flush=True)  # fmt: skip
+    for tile, rs in [
+        ((128, 128), None),
+        ((128, 256), True),
+        ((128, 192), False),
+        ((64, 128), None),
+    ]:
+
+        def forward(tile=tile, rs=rs):
+            return interface._flash_attn_fwd(
+                q, k, v, return_lse=True, tile_mn=tile, mma_pv_is_rs=rs
+            )
+
+        print(f"C forward, tiles {tile}: {kernel_ms(forward):.3f} ms", flush=True)
+    bhsd = [t.transpose(1, 2) for t in (q, k, v)]
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    cudnn_out, cudnn_lse = cudnn(*bhsd, None, True, 0.0, False, False)[:2]
+    print(f"C forward, cuDNN: {kernel_ms(lambda: cudnn(*bhsd, None, True, 0.0, False, False)):.3f}"
+          f" ms; log-sum-exp against FA4's {max_error(cudnn_lse.view_as(lse), lse)}; FA4's "
+          f"backward from cuDNN's forward: dq/dk/dv error "
+          f"{errors(backward(cudnn_out.transpose(1, 2), cudnn_lse.view_as(lse).contiguous()))}",
+          flush=True)  # fmt: skip
+    packed = torch.empty_like(qkv)
+    print(f"C backward into one (b, s, 3, h, d) buffer: {kernel_ms(lambda: backward(grads=packed.unbind(2))):.3f} ms, "
+          f"error {errors(backward(grads=packed.unbind(2)))}; into three tensors, then stacked: "
+          f"{kernel_ms(lambda: torch.stack(backward(), 2)):.3f} ms", flush=True)  # fmt: skip
+
+
+def kernel_ms(fn, calls: int = 20) -> float:
+    """GPU kernel time of one ``fn()``, from the profiler over ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
+SECTIONS = {
+    "check": check,
+    "kernels": kernels,
+    "layouts": layouts,
+    "shapes": shapes,
+    "configs": configs,
+}
 
 
 def main() -> None:
