@@ -27,6 +27,10 @@ two; LiteGen can raise that limit for the blocks' forward graphs
 (:mod:`litegen.kernels.row_reductions`), again only around each call of a compiled block, with
 the heuristics added to the compile caches' keys (:func:`_caches_keyed_on`).
 
+``pack_qkv`` (runs whose attention is FA4): inductor's pre-grad pass slot gets
+:class:`litegen.kernels.packed_qkv.PackQkvAttention`, again only around each call of a compiled
+block, so that FA4's backward writes the gradient of a block's packed qkv tensor in one buffer.
+
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
 activations to save and which to recompute. Below 1 it solves a knapsack over the block's ops:
