@@ -5,7 +5,7 @@ runs it eagerly (``aot_eager``: inductor's own pre-grad passes need its code gen
 the FP32 stand-in of test_fa4.py, so the tests check:
 
 * the rewrite of a DiT's ``view + permute`` split, of timm's ``unbind`` + ``transpose`` split
-  and of ``select`` + ``transpose``: one packed op instead of SDPA, with the output and every gradient of the block
+  and of ``select`` + ``transpose``, also inside activation checkpointing: one packed op instead of SDPA, with the output and every gradient of the block
   matching FP32 math attention;
 * the packed op's backward returns one gradient laid out like the packed tensor, which is the
   point: autograd then has nothing to copy;
@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from litegen.compile import compile_blocks, uncompile_blocks
 from litegen.kernels import fa4, packed_qkv
@@ -47,7 +48,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
         packed = self.qkv(x).view(b, n, 3, HEADS, c // HEADS)
-        if self.split == "permute":  # the reference DiT's
+        if self.split in ("permute", "checkpointed"):  # the reference DiT's
             q, k, v = packed.permute(2, 0, 3, 1, 4)
         elif self.split == "unbind":  # timm's older attention
             q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
@@ -65,8 +66,10 @@ def compile_with_pass(module: nn.Module, pack: PackQkvAttention, graphs: list) -
     """``module.forward`` compiled with the pass applied to Dynamo's graph, then run eagerly."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        pack(gm.graph)
-        gm.recompile()
+        for graph_module in gm.modules():  # as inductor, into checkpointing's subgraphs too
+            if isinstance(graph_module, torch.fx.GraphModule):
+                pack(graph_module.graph)
+                graph_module.recompile()
         graphs.append(gm)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -75,7 +78,8 @@ def compile_with_pass(module: nn.Module, pack: PackQkvAttention, graphs: list) -
 
 
 def targets(gm: torch.fx.GraphModule) -> set:
-    return {node.target for node in gm.graph.nodes if node.op == "call_function"}
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return {node.target for graph in graphs for node in graph.nodes if node.op == "call_function"}
 
 
 @pytest.fixture
@@ -86,7 +90,7 @@ def stand_in():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("split", ["permute", "unbind", "select"])
+@pytest.mark.parametrize("split", ["permute", "unbind", "select", "checkpointed"])
 def test_packed_attention_replaces_sdpa_and_matches_math_attention(stand_in, split):
     torch.manual_seed(0)
     reference = Attention(split)
@@ -97,6 +101,9 @@ def test_packed_attention_replaces_sdpa_and_matches_math_attention(stand_in, spl
 
     module = Attention(split).to(torch.bfloat16)
     module.load_state_dict(reference.state_dict())
+    if split == "checkpointed":  # as LiteGen's activation checkpointing wraps a block
+        forward = module.forward
+        module.forward = lambda x: checkpoint(forward, x, use_reentrant=False)
     pack, graphs = PackQkvAttention(device_types=("cpu",)), []
     compile_with_pass(module, pack, graphs)
     x_bf16 = x.to(torch.bfloat16).requires_grad_()
