@@ -37,7 +37,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from dit_model import median_cuda_ms
+from dit_model import kernel_ms, median_cuda_ms
 
 from litegen.kernels import fa4
 from litegen.kernels.attention import activate_fa4, attention_context
@@ -249,17 +249,6 @@ def configs() -> None:
     print(f"C backward into one (b, s, 3, h, d) buffer: {kernel_ms(lambda: backward(grads=packed.unbind(2))):.3f} ms, "
           f"error {errors(backward(grads=packed.unbind(2)))}; into three tensors, then stacked: "
           f"{kernel_ms(lambda: torch.stack(backward(), 2)):.3f} ms", flush=True)  # fmt: skip
-
-
-def kernel_ms(fn, calls: int = 20) -> float:
-    """GPU kernel time of one ``fn()``, from the profiler over ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 SECTIONS = {

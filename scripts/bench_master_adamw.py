@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from dit_model import DiT, DiTConfig, ms_per_call
+from dit_model import DiT, DiTConfig, kernel_ms, ms_per_call
 
 from litegen.kernels import master_adamw
 
@@ -29,11 +29,7 @@ SWEEP = ((2048, 4), (1024, 4), (1024, 2), (2048, 8), (4096, 8), (8192, 16))  # (
 def timed(fn: Callable[[], object], device: torch.device) -> str:
     """``fn``'s wall ms per call (synced) and its kernels' busy ms per call (profiled)."""
     wall = ms_per_call(fn, device, calls=20, warmup=5)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize(device)
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e3
+    busy = kernel_ms(fn, calls=5)
     return f"{wall:8.3f} ms {busy:8.3f} ms busy"
 
 

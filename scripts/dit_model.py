@@ -191,6 +191,20 @@ def median_cuda_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -
     return statistics.median(times)
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """GPU kernel time of one ``fn()``, from the CUDA profiler over ``calls`` calls (after one).
+
+    Counts only the kernels' busy time, not gaps or host time (:func:`median_cuda_ms`).
+    """
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def sample_batch(
     cfg: DiTConfig, batch: int, tokens: int, device: str | torch.device, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,12 +80,22 @@ def attention_context(backend: str, device: torch.device | str) -> AbstractConte
             return nullcontext()  # torch's default order (older torch cannot reorder)
         return sdpa_kernel([BACKENDS[n] for n in AUTO_ORDER], set_priority=True)
     if backend == "flash_attn":
-        if not activate_fa4(device):
+        if not uses_fa4(backend, device):
             return FlashAttnMode(load_flash_attn())
         if not _HAS_PRIORITY:
             return sdpa_kernel([BACKENDS[FA4_ORDER[0]]])
         return sdpa_kernel([BACKENDS[n] for n in FA4_ORDER], set_priority=True)
     return sdpa_kernel([BACKENDS[backend]])
+
+
+def uses_fa4(backend: str, device: torch.device | str) -> bool:
+    """Whether ``attention_backend: backend`` runs FA4 on ``device`` (activating it if so).
+
+    Example:
+        >>> uses_fa4("flash_attn", "cpu")
+        False
+    """
+    return backend == "flash_attn" and activate_fa4(device)
 
 
 def activate_fa4(device: torch.device | str) -> bool:
@@ -180,4 +190,5 @@ __all__ = [
     "FlashAttnMode",
     "activate_fa4",
     "attention_context",
+    "uses_fa4",
 ]

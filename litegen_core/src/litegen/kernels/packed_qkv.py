@@ -27,7 +27,6 @@ Example (``litegen.compile`` installs the pass around each compiled block's call
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,13 +136,13 @@ def _rewrite(graph: fx.Graph, sdpa: fx.Node, device_types: tuple[str, ...]) -> b
         or not (scale is None or isinstance(scale, float))
     ):
         return False
-    sources = [_split_source(call.get(name)) for name in ("query", "key", "value")]
+    split = [call[name] for name in _SDPA_PARAMS[:3]]
+    sources = [_split_source(node) for node in split]
     if None in sources or len({(s[0], s[1], s[3]) for s in sources}) != 1:
         return False
     if [s[2] for s in sources] != [0, 1, 2]:
         return False
     packed, dim, _, transforms = sources[0]
-    split = [call[name] for name in _SDPA_PARAMS[:3]]
     order = _packed_order(_value(packed).dim(), dim, transforms)
     if order is None or not _is_flash_call(_value(packed), order, split, device_types):
         return False
@@ -163,22 +162,19 @@ def _rewrite(graph: fx.Graph, sdpa: fx.Node, device_types: tuple[str, ...]) -> b
     return True
 
 
-# Per-tensor view ops the pass follows from q, k or v back to the split: name -> dims moved.
-def _transpose_dims(args: tuple, kwargs: dict) -> tuple[str, tuple[int, ...]] | None:
-    dims = tuple(args) or (kwargs.get("dim0"), kwargs.get("dim1"))
-    return ("transpose", dims) if len(dims) == 2 and all(isinstance(d, int) for d in dims) else None
+_VIEW_OPS = ("transpose", "permute")  # per-tensor views the pass follows from q, k, v to the split
 
 
-def _permute_dims(args: tuple, kwargs: dict) -> tuple[str, tuple[int, ...]] | None:
-    dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-    dims = tuple(dims or kwargs.get("dims", ()))
-    return ("permute", dims) if dims and all(isinstance(d, int) for d in dims) else None
-
-
-_VIEW_OPS: dict[str, Callable[[tuple, dict], tuple[str, tuple[int, ...]] | None]] = {
-    "transpose": _transpose_dims,
-    "permute": _permute_dims,
-}
+def _moved_dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The dims a ``transpose`` or ``permute`` call (its args after the tensor) names."""
+    if name == "transpose":
+        dims = tuple(args) or (kwargs.get("dim0"), kwargs.get("dim1"))
+        if len(dims) != 2:
+            return None
+    else:
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        dims = tuple(dims or kwargs.get("dims", ()))
+    return dims if dims and all(isinstance(d, int) for d in dims) else None
 
 
 def _split_source(node: Any) -> tuple[fx.Node, int, int, tuple] | None:
@@ -193,10 +189,10 @@ def _split_source(node: Any) -> tuple[fx.Node, int, int, tuple] | None:
         if not args:
             return None
         if name in _VIEW_OPS:
-            transform = _VIEW_OPS[name](args[1:], kwargs)
-            if transform is None:
+            dims = _moved_dims(name, args[1:], kwargs)
+            if dims is None:
                 return None
-            transforms.insert(0, transform)
+            transforms.insert(0, (name, dims))
             node = args[0]
             continue
         if name == "getitem" and len(args) == 2 and isinstance(args[0], fx.Node):

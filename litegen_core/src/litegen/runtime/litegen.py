@@ -188,12 +188,13 @@ class LiteGen(CheckpointAPI):
                 # After checkpointing (each compiled block holds its checkpoint) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
+                from litegen.kernels.attention import uses_fa4
 
                 compiled = compile_blocks(
                     model,
                     optimization.compile,
                     memory_budget=memory.memory_budget,
-                    pack_qkv=self._attention_is_fa4(),
+                    pack_qkv=uses_fa4(optimization.kernels.attention_backend, self.device),
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -244,14 +245,6 @@ class LiteGen(CheckpointAPI):
         if self.ema is None:
             raise ValueError("update_ema needs ema.enable: true and a prepared trainable model.")
         self.ema.update(self.config.ema.decay if decay is None else decay)
-
-    def _attention_is_fa4(self) -> bool:
-        """Whether this run's attention is FA4 (``attention_backend: flash_attn`` with FA4 active)."""
-        if self.config.optimization.kernels.attention_backend != "flash_attn":
-            return False
-        from litegen.kernels.attention import activate_fa4
-
-        return activate_fa4(self.device)
 
     def attention_context(self) -> AbstractContextManager:
         """The ``optimization.kernels.attention_backend`` context; the trainer enters it.
