@@ -21,9 +21,13 @@ flash-attn-4``). Sections, all by default:
   forward, whose log-sum-exp FA4's backward can take; and FA4's backward writing into one packed
   buffer against three tensors stacked afterwards (``litegen.kernels.packed_qkv``).
 
+- ``forward``: the forward kernels of cuDNN and FA4 (with LiteGen's tiles) by sequence length at
+  head dims 72, 128 and 64, and at B's shape, with the one LiteGen runs (``fa4._forward_on_cudnn``).
+
     python3 scripts/bench_fa4.py
     python3 scripts/bench_fa4.py --section kernels
     python3 scripts/bench_fa4.py --section configs
+    python3 scripts/bench_fa4.py --section forward
 
 The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from contextlib import nullcontext
 from unittest import mock
 
@@ -251,12 +256,36 @@ def configs() -> None:
           f"{kernel_ms(lambda: torch.stack(backward(), 2)):.3f} ms", flush=True)  # fmt: skip
 
 
+def forward() -> None:
+    """cuDNN's forward against FA4's by sequence length, 32768 tokens a batch, and at B's shape."""
+    interface = fa4.interface()
+    arch = interface._get_device_arch()
+    shapes = [
+        (32768 // tokens, heads, tokens, head_dim)
+        for heads, head_dim in ((16, 72), (12, 128), (16, 64))
+        for tokens in (256, 512, 1024, 2048, 4096)
+    ]
+
+    def fa4_forward(q, k, v) -> tuple:  # FA4 as LiteGen calls it when cuDNN does not serve
+        tile = fa4._forward_tile(q, k, False, arch)
+        return interface._flash_attn_fwd(*fa4._bshd(q, k, v), return_lse=True, tile_mn=tile)
+
+    for shape in [*shapes, SHAPES["B"]]:
+        qkv = packed_qkv(*shape).permute(2, 0, 3, 1, 4)  # q, k, v: (batch, heads, tokens, dim)
+        fa4_ms = kernel_ms(functools.partial(fa4_forward, *qkv))
+        cudnn_ms = kernel_ms(functools.partial(fa4._cudnn_forward, *qkv, False, None))
+        taken = "cuDNN" if fa4._forward_on_cudnn(qkv[0], qkv[1], False, arch) else "FA4"
+        print(f"forward {shape}: FA4 {fa4_ms:.3f} ms, cuDNN {cudnn_ms:.3f} ms; LiteGen runs "
+              f"{taken}'s", flush=True)  # fmt: skip
+
+
 SECTIONS = {
     "check": check,
     "kernels": kernels,
     "layouts": layouts,
     "shapes": shapes,
     "configs": configs,
+    "forward": forward,
 }
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from litegen.kernels.attention import FA4_MAJORS, activate_fa4, attention_context
+from litegen.kernels.fa4 import CUDNN_FORWARD_MAX_TOKENS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,12 +39,16 @@ def attend(qkv: torch.Tensor, backend: str, dout: torch.Tensor):
     return out.detach().float(), qkv.grad.float()
 
 
+# On Hopper, 1024 tokens take cuDNN's forward with FA4's backward, 2048 FA4's kernels only.
+@pytest.mark.parametrize("tokens", [1024, 2048])
 @pytest.mark.parametrize("head_dim", [72, 64, 128, 40])
-def test_fa4_output_and_gradients_match_fp32_math(head_dim):
+def test_fa4_output_and_gradients_match_fp32_math(head_dim, tokens):
     assert activate_fa4(DEVICE)
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
-    qkv = torch.randn(2, 1024, 3, 16, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    dout = torch.randn(2, 16, 1024, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    qkv = torch.randn(
+        2, tokens, 3, 16, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16
+    )
+    dout = torch.randn(2, 16, tokens, head_dim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     ref_out, ref_grad = attend(qkv.float(), "math", dout.float())
     out, grad = attend(qkv, "flash_attn", dout)
     cudnn_out, cudnn_grad = attend(qkv, "cudnn", dout)
@@ -53,7 +58,27 @@ def test_fa4_output_and_gradients_match_fp32_math(head_dim):
         assert error <= max(2 * (cudnn - ref).abs().max().item(), 1e-3) and error < 0.02
 
 
-def test_compiled_block_runs_fa4_kernels_and_matches_eager():
+def test_short_sequences_in_any_layout_keep_cudnns_forward_right():
+    """Packed views, then contiguous copies, then packed again: cuDNN keeps a plan per shape, and
+    its backward once reused the first layout's plan for the second (bench_fa4.py ``layouts``)."""
+    assert activate_fa4(DEVICE)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(4, 256, 3, 16, 72, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    dout = torch.randn(4, 16, 256, 72, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    ref_out, ref_grad = attend(qkv.float(), "math", dout.float())
+    for contiguous in (False, True, False):
+        q, k, v = (t.detach().requires_grad_() for t in qkv.permute(2, 0, 3, 1, 4))
+        inputs = [t.contiguous() for t in (q, k, v)] if contiguous else [q, k, v]
+        with attention_context("flash_attn", DEVICE):
+            out = F.scaled_dot_product_attention(*inputs)
+            out.backward(dout)
+        grad = torch.stack([q.grad, k.grad, v.grad], dim=2).transpose(1, 3).float()
+        assert (out.float() - ref_out).abs().max().item() < 0.02
+        assert (grad - ref_grad).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("tokens", [512, 2048])
+def test_compiled_block_runs_fa4_kernels_and_matches_eager(tokens):
     assert activate_fa4(DEVICE)
     torch.manual_seed(0)
     proj = torch.nn.Linear(576, 3 * 576, device=DEVICE, dtype=torch.bfloat16)
@@ -63,7 +88,7 @@ def test_compiled_block_runs_fa4_kernels_and_matches_eager():
         q, k, v = proj(x).view(b, n, 3, 8, c // 8).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
 
-    x = torch.randn(4, 512, 576, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(4, tokens, 576, device=DEVICE, dtype=torch.bfloat16)
     compiled = torch.compile(block, fullgraph=True)
     with attention_context("flash_attn", DEVICE):
         eager_out = block(x)
@@ -74,7 +99,14 @@ def test_compiled_block_runs_fa4_kernels_and_matches_eager():
             out.float().square().mean().backward()
             torch.cuda.synchronize()
     kernels = " ".join(e.key for e in prof.key_averages())
-    assert "flash_fwd_sm" in kernels and "flash_bwd_sm" in kernels, kernels
+    cudnn_forward = (
+        torch.cuda.get_device_capability()[0] == 9 and tokens <= CUDNN_FORWARD_MAX_TOKENS
+    )
+    if cudnn_forward:
+        assert "sdpa" in kernels.lower() and "flash_fwd_sm" not in kernels, kernels
+    else:
+        assert "flash_fwd_sm" in kernels, kernels
+    assert "flash_bwd_sm" in kernels, kernels
     torch.testing.assert_close(out, eager_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(proj.weight.grad, eager_grad, rtol=2e-2, atol=2e-2)
 

@@ -9,7 +9,9 @@ heads, dim), and records what it was given:
 * every output has the strides of the aten ops' meta kernels, which compiled graphs assert;
 * the dq fix hands FA4's postprocess its Hopper kernel's head-dim rounding (16, not 32), and
   nothing else changes;
-* the forward asks for 128 x 128 tiles only where FA4's Hopper default pads short sequences;
+* on Hopper, cuDNN takes the forward of sequences up to 1024 tokens (the rule; its kernels run in
+  tests/gpu), and otherwise the forward asks for 128 x 128 tiles only where FA4's Hopper default
+  pads short sequences;
 * only the tested FA4 release is accepted.
 
 tests/gpu/test_fa4_gpu.py runs the real kernels.
@@ -119,6 +121,39 @@ def test_forward_tiles_shrink_only_where_fa4s_hopper_tiles_pad_a_lot(
 ):
     query = torch.empty(batch_heads_tokens_dim, device="meta")
     assert fa4._forward_tile(query, query, is_causal, major * 10) == expected
+
+
+@pytest.mark.parametrize(
+    ("batch_heads_tokens_dim", "is_causal", "major", "cudnn_on", "expected"),
+    [
+        ((128, 16, 256, 72), False, 9, True, True),  # workload C
+        ((32, 16, 1024, 72), False, 9, True, True),
+        ((16, 16, 2048, 72), False, 9, True, False),  # FA4's forward is faster from 2048 on
+        ((128, 12, 256, 128), False, 9, True, True),
+        ((128, 4, 256, 256), False, 9, True, False),  # past the head dims measured
+        ((128, 16, 256, 72), True, 9, True, False),  # causal: not measured
+        ((128, 16, 256, 72), False, 10, True, False),  # Blackwell
+        ((128, 16, 256, 72), False, 9, False, False),  # torch.backends.cudnn.enabled = False
+    ],
+)
+def test_short_sequences_take_cudnns_forward_on_hopper(
+    batch_heads_tokens_dim, is_causal, major, cudnn_on, expected
+):
+    query = torch.empty(batch_heads_tokens_dim, device="meta")
+    with (
+        mock.patch("torch.backends.cudnn.is_available", return_value=True),
+        torch.backends.cudnn.flags(enabled=cudnn_on),
+    ):
+        assert fa4._forward_on_cudnn(query, query, is_causal, major * 10) == expected
+
+
+def test_a_long_key_sequence_keeps_fa4s_forward():
+    query, key = (
+        torch.empty(1, 4, 256, 72, device="meta"),
+        torch.empty(1, 4, 4096, 72, device="meta"),
+    )
+    with mock.patch("torch.backends.cudnn.is_available", return_value=True):
+        assert not fa4._forward_on_cudnn(query, key, False, 90)
 
 
 def test_fa4_refuses_dropout():

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import litegen
 from litegen.compile import compile_blocks
 from litegen.kernels import apply_fused_gelu_mlp
+from litegen.kernels.gelu_mlp import sum_rows
 from litegen.kernels.mlp_fusion import is_fused
 from litegen.utils.config import CompileConfig, MainConfig
 
@@ -148,6 +149,11 @@ def test_fused_mlps_survive_pickling_and_deepcopy(make, timm_importable):
     for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
         assert is_fused(copied) and type(copied) is type(model)
         torch.testing.assert_close(copied(x), model(x))
+
+
+def test_bias_gradient_sums_are_column_sums():
+    matrix = torch.randn(40, 24, dtype=torch.float64)
+    torch.testing.assert_close(sum_rows(matrix), matrix.sum(0))
 
 
 def test_flops_are_counted_as_for_the_unfused_mlp():

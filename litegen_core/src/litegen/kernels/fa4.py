@@ -12,8 +12,10 @@ two values and fails on current FA4 releases, which return five.
 FA4 4.0.0b36 computes dq wrong on Hopper at head dims that are not multiples of 32 (such as the
 benchmark DiTs' 72); :func:`interface` fixes that in FA4's module when it loads it
 (:func:`_match_dq_accumulator_to_kernel`). LiteGen calls FA4's private functions, so it accepts
-only the release it was tested with, :data:`FA4_VERSION` (the extra pins it). On Hopper, short
-sequences get smaller forward tiles than FA4's default (:func:`_forward_tile`).
+only the release it was tested with, :data:`FA4_VERSION` (the extra pins it). On Hopper, the
+forward of sequences up to :data:`CUDNN_FORWARD_MAX_TOKENS` runs on cuDNN's kernel, faster there,
+with FA4's backward (:func:`_forward_on_cudnn`); other short sequences get smaller forward tiles
+than FA4's default (:func:`_forward_tile`).
 
 Outputs are allocated the way the ops' meta kernels allocate them (``torch.empty_like`` of the
 input): compiled graphs assert those strides. For a model that splits a fused qkv projection,
@@ -119,16 +121,20 @@ def forward(
             "FA4 attention has no dropout or debug mask; set attention dropout to 0 or use "
             "optimization.kernels.attention_backend=auto"
         )
-    out = torch.empty_like(query)
     module = interface()
-    _, lse, *_ = module._flash_attn_fwd(
-        *_bshd(query, key, value),
-        softmax_scale=scale,
-        causal=is_causal,
-        return_lse=True,
-        out=out.transpose(1, 2),
-        tile_mn=_forward_tile(query, key, is_causal, module._get_device_arch()),
-    )
+    arch = module._get_device_arch()
+    if _forward_on_cudnn(query, key, is_causal, arch):
+        out, lse = _cudnn_forward(query, key, value, is_causal, scale)
+    else:
+        out = torch.empty_like(query)
+        _, lse, *_ = module._flash_attn_fwd(
+            *_bshd(query, key, value),
+            softmax_scale=scale,
+            causal=is_causal,
+            return_lse=True,
+            out=out.transpose(1, 2),
+            tile_mn=_forward_tile(query, key, is_causal, arch),
+        )
     device = query.device
     return (
         out,
@@ -143,6 +149,47 @@ def forward(
     )
 
 
+# The longest sequence whose forward runs on cuDNN on Hopper (see _forward_on_cudnn).
+CUDNN_FORWARD_MAX_TOKENS = 1024
+
+
+def _forward_on_cudnn(query: torch.Tensor, key: torch.Tensor, is_causal: bool, arch: int) -> bool:
+    """Whether cuDNN's forward kernel serves this call instead of FA4's: short sequences on Hopper.
+
+    On H200, cuDNN's forward measured faster than FA4's up to 1024 tokens (head dim 72: 0.151 ms
+    against 0.207 at workload C's 256 tokens, 0.437 against 0.512 at 1024) and slower from 2048
+    on (``docs/benchmarks.md``). Its log-sum-exp is FA4's, so FA4's backward takes cuDNN's
+    output and gives the same gradients. Causal attention was not measured and stays on FA4.
+    """
+    return (
+        not is_causal
+        and arch // 10 == 9
+        and max(query.size(2), key.size(2)) <= CUDNN_FORWARD_MAX_TOKENS
+        and query.size(-1) <= 128
+        and query.size(-1) % 8 == 0
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cudnn.enabled
+    )
+
+
+def _cudnn_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's attention output and its log-sum-exp in FA4's (batch, heads, tokens) shape."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, True, 0.0, is_causal, False, scale=scale
+    )[:2]
+    # Compiled graphs assert the meta kernel's strides, empty_like(query)'s. cuDNN allocates in
+    # the query's layout as well; should a release not, the output is copied into that layout.
+    if out.stride() != torch.empty_like(query, device="meta").stride():
+        out = torch.empty_like(query).copy_(out)
+    return out, lse.reshape(query.shape[:-1])
+
+
 def _forward_tile(
     query: torch.Tensor, key: torch.Tensor, is_causal: bool, arch: int
 ) -> tuple[int, int] | None:
@@ -151,7 +198,8 @@ def _forward_tile(
     For head dims 65-96, FA4's Hopper forward takes tiles of 192 queries by 144 keys, its
     fastest for long sequences. At 256 tokens (workload C) they pad the work to 384 x 288,
     1.7 times the real 256 x 256, which 128 x 128 tiles cover exactly: the forward kernel took
-    0.203 ms instead of 0.269 on H200 (``docs/benchmarks.md``). ``arch`` is FA4's own (90 on
+    0.203 ms instead of 0.269 on H200 (``docs/benchmarks.md``). Such short sequences run on
+    cuDNN (:func:`_forward_on_cudnn`) unless cuDNN is off. ``arch`` is FA4's own (90 on
     Hopper), which picks its kernels. ``None`` keeps FA4's choice.
     """
     if is_causal or not 64 < query.size(-1) <= 96 or arch // 10 != 9:
@@ -224,6 +272,7 @@ def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 __all__ = [
+    "CUDNN_FORWARD_MAX_TOKENS",
     "FA4_MODULE",
     "FA4_VERSION",
     "backward",
