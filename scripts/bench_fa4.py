@@ -20,7 +20,6 @@ flash-attn-4``). Sections, all by default:
   other configurations (with their gradient errors) and of its forward under other tiles; cuDNN's
   forward, whose log-sum-exp FA4's backward can take; and FA4's backward writing into one packed
   buffer against three tensors stacked afterwards (``litegen.kernels.packed_qkv``).
-
 - ``forward``: the forward kernels of cuDNN and FA4 (with LiteGen's tiles) by sequence length at
   head dims 72, 128 and 64, and at B's shape, with the one LiteGen runs (``fa4._forward_on_cudnn``).
 
