@@ -28,7 +28,8 @@ flash-attn-4``). Sections, all by default:
     python3 scripts/bench_fa4.py --section configs
     python3 scripts/bench_fa4.py --section forward
 
-The figures of 2026-11-30 are in docs/benchmarks.md ("FlashAttention 4").
+The figures of 2026-11-30 are in docs/benchmarks.md (the FA4 sections of the ninth to twelfth
+sessions; ``forward``: "cuDNN's forward for short sequences").
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ benchmark DiTs' 72); :func:`interface` fixes that in FA4's module when it loads 
 (:func:`_match_dq_accumulator_to_kernel`). LiteGen calls FA4's private functions, so it accepts
 only the release it was tested with, :data:`FA4_VERSION` (the extra pins it). On Hopper, the
 forward of sequences up to :data:`CUDNN_FORWARD_MAX_TOKENS` runs on cuDNN's kernel, faster there,
-with FA4's backward (:func:`_forward_on_cudnn`); other short sequences get smaller forward tiles
-than FA4's default (:func:`_forward_tile`).
+with FA4's backward (:func:`_forward_on_cudnn`); with cuDNN off, short sequences get smaller
+forward tiles than FA4's default (:func:`_forward_tile`).
 
 Outputs are allocated the way the ops' meta kernels allocate them (``torch.empty_like`` of the
 input): compiled graphs assert those strides. For a model that splits a fused qkv projection,
