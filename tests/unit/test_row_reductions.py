@@ -21,20 +21,28 @@ from torch._inductor.sizevars import SizeVarAllocator
 from torch._inductor.virtualized import V
 
 from litegen.compile import compile_blocks
-from litegen.kernels.row_reductions import PersistentRows
+from litegen.kernels.row_reductions import PersistentRows, row_launch_config
 from litegen.utils.config import CompileConfig, MainConfig
 
 
 class Features:
-    """What the heuristics read from inductor's ``SIMDKernelFeatures``: rows of ``numel``."""
+    """What the heuristics read from inductor's ``SIMDKernelFeatures``: rows of ``numel``.
 
-    def __init__(self, numel: int, hint: ReductionHint) -> None:
+    ``tiled_hint`` is the hint once inductor has the kernel's tiling scores, which can upgrade
+    DEFAULT to INNER (rows that are contiguous in memory).
+    """
+
+    def __init__(self, numel: int, hint: ReductionHint, tiled_hint: ReductionHint | None = None):
         self.reduction_numel = sympy.Integer(numel)  # a static size, as inductor has it
         self.numel = sympy.Integer(32768)  # rows
         self.hint = hint
+        self.tiled_hint = tiled_hint or hint
 
-    def get_reduction_hint(self) -> ReductionHint:
-        return self.hint
+    def is_reduction(self) -> bool:
+        return True
+
+    def get_reduction_hint(self, tiling_scores=None) -> ReductionHint:
+        return self.hint if tiling_scores is None else self.tiled_hint
 
 
 def decide(features: Features, *, backward: bool = False, cooperative: bool = False):
@@ -72,6 +80,48 @@ def test_everything_else_keeps_inductors_choice(features, kwargs):
 def test_persistent_reductions_off_stays_off():
     with inductor_config.patch({"triton.persistent_reductions": False}):
         assert decide(Features(1152, ReductionHint.INNER)) == (False, False)
+
+
+def launch_kwargs(features: Features, *, backward: bool = False, **kernel_kwargs):
+    """The kwargs LiteGen's choices hand inductor's ``TritonKernel`` for ``features``."""
+    graph = SimpleNamespace(is_backward=backward, sizevars=SizeVarAllocator())
+    with V.set_graph_handler(graph):
+        return PersistentRows(2048).triton_kernel_kwargs(None, features, [], kernel_kwargs)
+
+
+def test_rows_made_persistent_get_a_fixed_launch_config():
+    scores = {"x": 524288, "r0_": 227082240}  # C's forward norm kernel
+    for features in (
+        Features(1152, ReductionHint.INNER),
+        Features(1152, ReductionHint.DEFAULT, tiled_hint=ReductionHint.INNER),
+    ):
+        kwargs = launch_kwargs(features, tiling_scores=scores)
+        assert kwargs["fixed_config"].config == {"XBLOCK": 1, "num_warps": 2}
+        assert kwargs["override_persistent_reduction"] is True
+        assert kwargs["tiling_scores"] == scores  # inductor's own kwargs pass through
+    assert row_launch_config(2048) == {"XBLOCK": 1, "num_warps": 2}
+    assert row_launch_config(4096) == {"XBLOCK": 1, "num_warps": 4}
+
+
+@pytest.mark.parametrize(
+    "features, kwargs",
+    [
+        (Features(512, ReductionHint.INNER), {}),  # persistent in inductor already
+        (Features(1152, ReductionHint.INNER), {"backward": True}),
+        (Features(1152, ReductionHint.DEFAULT), {}),  # not contiguous rows
+        (Features(1152, ReductionHint.OUTER), {}),
+        (Features(2049, ReductionHint.INNER), {}),
+    ],
+    ids=["short-rows", "backward", "default-hint", "columns", "past-limit"],
+)
+def test_other_kernels_keep_inductors_tuning(features, kwargs):
+    found = launch_kwargs(features, tiling_scores={"x": 1, "r0_": 1}, **kwargs)
+    assert "fixed_config" not in found and "override_persistent_reduction" not in found
+
+
+def test_multi_kernel_keeps_inductors_tuning():
+    with inductor_config.patch({"triton.multi_kernel": 1}):
+        assert "fixed_config" not in launch_kwargs(Features(1152, ReductionHint.INNER))
 
 
 class Blocks(nn.Module):

@@ -9,9 +9,18 @@ took 7.1 ms a step looped and 5.3 ms persistent (docs/benchmarks.md). In backwar
 the norm kernels also sum gradients down the columns, persistent kernels measured slower, so
 backward graphs keep inductor's choice.
 
+The rows made persistent here also get a fixed launch config, one row a program and a warp for
+every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning. Its
+coordinate-descent search stops at the first config that no neighbour beats by 0.1%, and where
+it stopped changed from one machine start to the next: C's two forward norm kernels took 3.8
+to 6.4 ms a step on three starts. At C's shape the fixed config was the fastest of a grid of 20
+(``scripts/sweep_row_kernels.py``: 44.8 and 83.3 us a call against the autotuned 67.8 and
+99.3), and a step's two kernels take 3.7 ms.
+
 :class:`PersistentRows` is inductor's own heuristics (``InductorChoices``) with that one
-threshold raised. :mod:`litegen.compile` installs it only around calls of LiteGen's compiled
-blocks, where their forward graphs compile, so other compiled code in the process is unchanged.
+threshold raised and that launch config fixed. :mod:`litegen.compile` installs it only around
+calls of LiteGen's compiled blocks, where their forward graphs compile, so other compiled code
+in the process is unchanged.
 
 Example:
     >>> from torch._inductor.virtualized import V
@@ -31,7 +40,15 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
-__all__ = ["PersistentRows"]
+try:  # fixed launch configs of generated kernels (torch >= 2.6)
+    from torch._inductor.codegen.triton import FixedTritonConfig
+except ImportError:  # pragma: no cover - older torch autotunes as before
+    FixedTritonConfig = None
+
+__all__ = ["PersistentRows", "row_launch_config"]
+
+# Inductor's own limit for persistent row reductions (``InductorChoices``).
+_INDUCTOR_PERSISTENT_ROWS = 1024
 
 # Reductions down columns: one element per row, so a persistent program would hold a column
 # strip of many rows; inductor's small limit for them stays.
@@ -42,6 +59,9 @@ _SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 class PersistentRows(InductorChoices):
     """Inductor's choices, with forward row reductions of up to ``limit`` elements persistent.
+
+    The rows it makes persistent (longer than inductor's own 1024) also get a fixed launch
+    config, :func:`row_launch_config`, instead of inductor's autotuning (module docstring).
 
     Example:
         >>> PersistentRows(2048).limit
@@ -61,17 +81,61 @@ class PersistentRows(InductorChoices):
         """
         return f"litegen.PersistentRows-{_SOURCE_HASH}-{self.limit}"
 
-    def should_use_persistent_reduction(  # type: ignore[override]
-        self, features: Any, cooperative_reduction: bool
-    ) -> bool:
+    def _rows_in_range(self, features: Any, low: int) -> bool:
         numel = features.reduction_numel
-        if (
+        return (
             config.triton.persistent_reductions
-            and not cooperative_reduction
             and not V.graph.is_backward
             and features.get_reduction_hint() not in _COLUMN_HINTS
             and isinstance(numel, (int, sympy.Integer))
-            and int(numel) <= self.limit
-        ):
+            and low < int(numel) <= self.limit
+        )
+
+    def should_use_persistent_reduction(  # type: ignore[override]
+        self, features: Any, cooperative_reduction: bool
+    ) -> bool:
+        if not cooperative_reduction and self._rows_in_range(features, 0):
             return True
         return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+    def triton_kernel_kwargs(  # type: ignore[override]
+        self, kernel_cls: Any, features: Any, groups: Any, kernel_kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        kwargs = super().triton_kernel_kwargs(kernel_cls, features, groups, kernel_kwargs)
+        if (
+            FixedTritonConfig is None
+            or config.triton.multi_kernel  # its looped variant would get the fixed config too
+            or not features.is_reduction()
+            or not self._rows_in_range(features, _INDUCTOR_PERSISTENT_ROWS)
+            or _kernel_hint(features, kwargs.get("tiling_scores")) != ReductionHint.INNER
+        ):
+            return kwargs
+        launch = row_launch_config(int(features.reduction_numel))
+        return {
+            **kwargs,
+            "override_cooperative_reduction": False,
+            "override_persistent_reduction": True,
+            "fixed_config": FixedTritonConfig(launch),
+        }
+
+
+def _kernel_hint(features: Any, tiling_scores: dict[str, int] | None) -> ReductionHint:
+    """The hint the kernel will carry: inductor upgrades some rows to INNER by their tiling."""
+    try:
+        return features.get_reduction_hint(tiling_scores)
+    except TypeError:  # torch before tiling scores: the hint of the nodes alone
+        return features.get_reduction_hint()
+
+
+def row_launch_config(row_numel: int) -> dict[str, int]:
+    """The launch config of a persistent kernel over rows of ``row_numel`` elements.
+
+    One row a program, and a warp for every 1024 elements of the row padded to a power of two,
+    so that each thread holds 32 of them.
+
+    Example:
+        >>> row_launch_config(1152)
+        {'XBLOCK': 1, 'num_warps': 2}
+    """
+    padded = 1 << (row_numel - 1).bit_length()
+    return {"XBLOCK": 1, "num_warps": max(1, min(32, padded // 1024))}

@@ -1,0 +1,94 @@
+"""Time inductor's one-pass norm kernels over a grid of launch configs, on one GPU.
+
+Where ``litegen.kernels.row_reductions.row_launch_config`` comes from. First compile a run
+into an inductor cache of its own, with kernel benchmarks on, so that every generated kernel
+file can build its own inputs; then sweep the persistent LayerNorm kernels found there:
+
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ind TORCHINDUCTOR_BENCHMARK_KERNEL=1
+    torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile \
+        --steps 5 --warmup 2 --set optimization.compile.persistent_rows=2048 ...
+    python3 scripts/sweep_row_kernels.py /tmp/ind --out sweep --seconds 240
+
+For each kernel it prints the time of the config inductor launches (its autotuned or fixed
+one), then every config of the grid (rows a program x warps), fastest first. ``--out`` keeps
+the kernels' sources and the times as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+# Persistent (one-pass) kernels with a LayerNorm in them; "unk" is inductor's name for kernels
+# with a fixed launch config, which LiteGen's persistent rows get.
+KERNEL = re.compile(r"def (triton_(?:per|unk)_fused\w*layer_norm\w*)\(")
+ROWS_PER_PROGRAM = [1, 2, 4, 8, 16]
+WARPS = [2, 4, 8, 16]
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"kernel_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(path: Path, name: str, deadline: float) -> dict:
+    module = load(path)
+    args = module.get_args()
+    fn = getattr(module, name).fn  # the @triton.jit function under inductor's launcher
+    names = [a for i, a in enumerate(fn.arg_names) if i not in fn.constexprs]
+    xnumel = args[names.index("xnumel")]
+    inductor_us = 1000 * do_bench(lambda: module.call(args), warmup=25, rep=100)
+    print(f"\n{name}: {xnumel} rows; inductor's launch {inductor_us:.1f} us", flush=True)
+    timed = []
+    for rows in ROWS_PER_PROGRAM:
+        for warps in WARPS:
+            if warps * 32 > rows * 2048 or time.time() > deadline:
+                continue
+            launch = {"XBLOCK": rows, "num_warps": warps, "num_stages": 1}
+            kernel = fn[(triton.cdiv(xnumel, rows),)]
+            us = 1000 * do_bench(partial(kernel, *args, **launch), warmup=10, rep=50)
+            timed.append((us, launch))
+    timed.sort(key=lambda row: row[0])
+    for us, launch in timed:
+        print(f"  {us:8.1f} us  {launch}")
+    return {"name": name, "inductor_us": inductor_us, "sweep": timed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cache", type=Path, help="the run's TORCHINDUCTOR_CACHE_DIR")
+    p.add_argument("--out", type=Path, help="copy the kernels and write sweep.json here")
+    p.add_argument("--seconds", type=float, default=240, help="stop timing new configs after")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    deadline = time.time() + args.seconds
+    results = []
+    for path in sorted(args.cache.rglob("*.py")):
+        source = path.read_text()
+        found = KERNEL.search(source)
+        # Kernel files only: graph modules hold kernels too, but run the whole graph.
+        if not found or "def get_args()" not in source or "async_compile" in source:
+            continue
+        results.append(sweep(path, found.group(1), deadline))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, args.out / f"{found.group(1)}.py")
+    if args.out:
+        (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
