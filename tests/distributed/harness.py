@@ -4,11 +4,12 @@ Each rank gets the torchrun environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOC
 LOCAL_WORLD_SIZE), so ``litegen.initialize`` joins a real process group. Return values come
 back pickled through files; a rank's exception is re-raised in the test with its traceback.
 
-A rank that dies from SIGSEGV or SIGBUS without raising gets its whole group run once more,
-with a warning: once in several CI runs, a forked gloo rank crashed inside torch's
+A rank that dies from SIGSEGV, SIGBUS or SIGABRT without raising gets its whole group run once
+more, with a warning: once in several CI runs, a forked gloo rank crashed inside torch's
 ``wait_tensor`` while gathering a full state dict (torch 2.13, never reproduced in dozens of
-reruns). A crash that happens again fails the test; other deaths (SIGKILL, ``os._exit``) are
-not retried, since tests cause them on purpose.
+reruns), and once glibc aborted a rank of the HSDP EMA test on "double free or corruption"
+(passed in three reruns). A crash that happens again fails the test; other deaths (SIGKILL,
+``os._exit``) are not retried, since tests cause them on purpose.
 
 Example:
     >>> def fn(scale):  # module level, so the spawned process can import it
@@ -35,7 +36,7 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240
 # Signals of a crash inside native code, as opposed to a kill a test (or the harness) sends.
-CRASH_SIGNALS = ("SIGSEGV", "SIGBUS")
+CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT")
 
 
 class RankError(RuntimeError):
