@@ -35,9 +35,11 @@ def raise_then_segfault() -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
-def test_a_segfault_once_is_run_again_with_a_warning(tmp_path):
-    with pytest.warns(UserWarning, match="(?s)SIGSEGV.*once more"):
-        assert run_ranks(die_first_time, 2, str(tmp_path), signal.SIGSEGV) == [0, 1]
+@pytest.mark.parametrize("signum", [signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT])
+def test_a_native_crash_once_is_run_again_with_a_warning(tmp_path, signum):
+    name = signal.Signals(signum).name
+    with pytest.warns(UserWarning, match=f"(?s){name}.*once more"):
+        assert run_ranks(die_first_time, 2, str(tmp_path), signum) == [0, 1]
     assert (tmp_path / "died").exists()
 
 
