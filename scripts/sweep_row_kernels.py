@@ -36,6 +36,23 @@ ROWS_PER_PROGRAM = [1, 2, 4, 8, 16]
 WARPS = [2, 4, 8, 16]
 
 
+def row_kernels(cache: Path) -> list[tuple[Path, str]]:
+    """The one-pass LayerNorm kernel files of an inductor cache, each with its kernel's name.
+
+    Example:
+        >>> row_kernels(Path("/tmp/ind"))  # doctest: +SKIP
+        [(PosixPath('/tmp/ind/ab/cab....py'), 'triton_unk_fused_native_layer_norm_0')]
+    """
+    found = []
+    for path in sorted(cache.rglob("*.py")):
+        source = path.read_text()
+        kernel = KERNEL.search(source)
+        # Kernel files only: graph modules hold kernels too, but run the whole graph.
+        if kernel and "def get_args()" in source and "async_compile" not in source:
+            found.append((path, kernel.group(1)))
+    return found
+
+
 def load(path: Path):
     spec = importlib.util.spec_from_file_location(f"kernel_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -76,16 +93,11 @@ def main() -> None:
         p.error("needs a CUDA GPU")
     deadline = time.time() + args.seconds
     results = []
-    for path in sorted(args.cache.rglob("*.py")):
-        source = path.read_text()
-        found = KERNEL.search(source)
-        # Kernel files only: graph modules hold kernels too, but run the whole graph.
-        if not found or "def get_args()" not in source or "async_compile" in source:
-            continue
-        results.append(sweep(path, found.group(1), deadline))
+    for path, name in row_kernels(args.cache):
+        results.append(sweep(path, name, deadline))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, args.out / f"{found.group(1)}.py")
+            shutil.copy(path, args.out / f"{name}.py")
     if args.out:
         (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
 
