@@ -413,9 +413,8 @@ def main() -> None:
         print_table(runner_rows, title)
         packed_qkv = sys.modules.get("litegen.kernels.packed_qkv")
         if packed_qkv is not None:  # imported when LiteGen's blocks compile with FA4
-            print(
-                f"LiteGen compiled SDPA calls put on FA4's packed qkv op: {packed_qkv.PACK_QKV.rewritten}"
-            )
+            rewritten = packed_qkv.PACK_QKV.rewritten
+            print(f"LiteGen compiled SDPA calls put on FA4's packed qkv op: {rewritten}")
         print_profiles(runner_rows)
     dist.destroy_process_group()
 
