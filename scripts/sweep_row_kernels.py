@@ -1,23 +1,25 @@
-"""Time inductor's one-pass norm kernels over a grid of launch configs, on one GPU.
+"""Time inductor's LayerNorm kernels, forward and backward, over a grid of launch configs.
 
 Where ``litegen.kernels.row_reductions.row_launch_config`` comes from. First compile a run
 into an inductor cache of its own, with kernel benchmarks on, so that every generated kernel
-file can build its own inputs; then sweep the persistent LayerNorm kernels found there:
+file can build its own inputs; then sweep the LayerNorm kernels found there (one GPU):
 
     export TORCHINDUCTOR_CACHE_DIR=/tmp/ind TORCHINDUCTOR_BENCHMARK_KERNEL=1
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile \
         --steps 5 --warmup 2 --set optimization.compile.persistent_rows=2048 ...
-    python3 scripts/sweep_row_kernels.py /tmp/ind --out sweep --seconds 240
+    python3 scripts/sweep_row_kernels.py /tmp/ind --out sweep --seconds 240 [--match backward]
 
 For each kernel it prints the time of the config inductor launches (its autotuned or fixed
-one), then every config of the grid (rows a program x warps), fastest first. ``--out`` keeps
-the kernels' sources and the times as JSON.
+one), then every config of the grid, fastest first: rows a program x warps, and for looped
+(two-pass) kernels also the elements a loop step reads (``R0_BLOCK``). ``--out`` keeps the
+kernels' sources and the times as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import re
 import shutil
@@ -29,15 +31,16 @@ import torch
 import triton
 from triton.testing import do_bench
 
-# Persistent (one-pass) kernels with a LayerNorm in them; "unk" is inductor's name for kernels
-# with a fixed launch config, which LiteGen's persistent rows get.
-KERNEL = re.compile(r"def (triton_(?:per|unk)_fused\w*layer_norm\w*)\(")
+# Kernels with a LayerNorm (or its backward) in them: persistent ("per"), looped ("red"), and
+# "unk", inductor's name for kernels with a fixed launch config, which LiteGen's rows get.
+KERNEL = re.compile(r"def (triton_(?:per|red|unk)_fused\w*layer_norm\w*)\(")
 ROWS_PER_PROGRAM = [1, 2, 4, 8, 16]
 WARPS = [2, 4, 8, 16]
+LOOP_STEPS = [256, 512, 1024, 2048]  # R0_BLOCK of looped kernels
 
 
 def row_kernels(cache: Path) -> list[tuple[Path, str]]:
-    """The one-pass LayerNorm kernel files of an inductor cache, each with its kernel's name.
+    """The LayerNorm kernel files of an inductor cache, each with its kernel's name.
 
     Example:
         >>> row_kernels(Path("/tmp/ind"))  # doctest: +SKIP
@@ -68,15 +71,18 @@ def sweep(path: Path, name: str, deadline: float) -> dict:
     xnumel = args[names.index("xnumel")]
     inductor_us = 1000 * do_bench(lambda: module.call(args), warmup=25, rep=100)
     print(f"\n{name}: {xnumel} rows; inductor's launch {inductor_us:.1f} us", flush=True)
+    # A persistent kernel holds its whole row; a looped one reads R0_BLOCK elements a step.
+    steps = LOOP_STEPS if "R0_BLOCK" in fn.arg_names else [2048]
     timed = []
-    for rows in ROWS_PER_PROGRAM:
-        for warps in WARPS:
-            if warps * 32 > rows * 2048 or time.time() > deadline:
-                continue
-            launch = {"XBLOCK": rows, "num_warps": warps, "num_stages": 1}
-            kernel = fn[(triton.cdiv(xnumel, rows),)]
-            us = 1000 * do_bench(partial(kernel, *args, **launch), warmup=10, rep=50)
-            timed.append((us, launch))
+    for rows, warps, step in itertools.product(ROWS_PER_PROGRAM, WARPS, steps):
+        if warps * 32 > rows * step or time.time() > deadline:
+            continue
+        launch = {"XBLOCK": rows, "num_warps": warps, "num_stages": 1}
+        if "R0_BLOCK" in fn.arg_names:
+            launch["R0_BLOCK"] = step
+        kernel = fn[(triton.cdiv(xnumel, rows),)]
+        us = 1000 * do_bench(partial(kernel, *args, **launch), warmup=10, rep=50)
+        timed.append((us, launch))
     timed.sort(key=lambda row: row[0])
     for us, launch in timed:
         print(f"  {us:8.1f} us  {launch}")
@@ -88,12 +94,15 @@ def main() -> None:
     p.add_argument("cache", type=Path, help="the run's TORCHINDUCTOR_CACHE_DIR")
     p.add_argument("--out", type=Path, help="copy the kernels and write sweep.json here")
     p.add_argument("--seconds", type=float, default=240, help="stop timing new configs after")
+    p.add_argument("--match", default="", help="sweep only kernels whose name has this regex")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     deadline = time.time() + args.seconds
     results = []
     for path, name in row_kernels(args.cache):
+        if not re.search(args.match, name):
+            continue
         results.append(sweep(path, name, deadline))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

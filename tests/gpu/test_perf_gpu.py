@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -96,7 +97,7 @@ class NormBlock(torch.nn.Module):
 
 
 def compile_norms(limit):
-    """Two compiled NormBlocks' bf16 output, forward kernels' code, and a gradient."""
+    """Two compiled NormBlocks: bf16 output, forward kernels' code, a gradient, training code."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -106,20 +107,56 @@ def compile_norms(limit):
     x = torch.randn(4, 256, 1152, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         output, kernels = run_and_get_code(model, x)
-    model(x.float()).square().mean().backward()
-    return output, "\n".join(kernels), model[0].scale.grad
+    # The training graphs, forward and backward, compile in this call (compile.py).
+    _, training = run_and_get_code(lambda: model(x.float()).square().mean().backward())
+    return output, "\n".join(kernels), model[0].scale.grad, "\n".join(training)
 
 
-def test_persistent_rows_compiles_forward_norms_in_one_pass():
+def test_persistent_rows_compiles_row_norms_in_one_pass():
+    from litegen.kernels.row_reductions import ROWS_PER_PROGRAM, row_launch_config
+
     # In this order, so that a compile cache shared between the settings would show.
-    looped, looped_code, looped_grad = compile_norms(None)
-    one_pass, one_pass_code, one_pass_grad = compile_norms(2048)
-    _, again_code, _ = compile_norms(None)
-    for code in (looped_code, again_code):
+    looped, looped_code, looped_grad, looped_training = compile_norms(None)
+    one_pass, one_pass_code, one_pass_grad, one_pass_training = compile_norms(2048)
+    _, again_code, _, again_training = compile_norms(None)
+    backward_norm = r"def triton_(red|per)_fused\w*native_layer_norm_backward\w*\("
+    for code, training in ((looped_code, looped_training), (again_code, again_training)):
         assert "triton_red_fused" in code and "triton_per_fused" not in code
-    # One pass with a fixed launch config, one row a program and two warps
-    # (row_reductions.row_launch_config); inductor names such kernels "unk", not "per".
+        assert {m.group(1) for m in re.finditer(backward_norm, training)} == {"red"}
+    # Forward: one pass with a fixed launch config (row_reductions.row_launch_config);
+    # inductor names such kernels "unk", not "per".
+    launch = row_launch_config(1152, ROWS_PER_PROGRAM)  # two warps
     assert "triton_red_fused" not in one_pass_code
-    assert "fixed_config(" in one_pass_code and "'XBLOCK': 1, 'num_warps': 2" in one_pass_code
+    assert "fixed_config(" in one_pass_code and repr(launch)[1:-1] in one_pass_code
+    # Backward: the input gradient's row reduction in one pass, autotuned.
+    assert {m.group(1) for m in re.finditer(backward_norm, one_pass_training)} == {"per"}
     torch.testing.assert_close(one_pass, looped, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(one_pass_grad, looped_grad, rtol=1e-4, atol=1e-4)
+
+
+class GatedNormBlock(torch.nn.Module):
+    """A LayerNorm of the input times a gate per token: its kernel loads a value per row."""
+
+    def __init__(self, hidden: int = 1152) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, gate):
+        return self.norm(x * gate)
+
+
+def test_persistent_rows_compile_norms_that_load_a_value_per_row():
+    # The fixed launch config on a kernel that loads a value per row: with one row a program,
+    # torch 2.11's code generation fails on it (row_reductions.ROWS_PER_PROGRAM).
+    torch._dynamo.reset()
+    block = GatedNormBlock().cuda()
+    compile_blocks(block, CompileConfig(enabled=True, persistent_rows=2048), paths=[""])
+    x = torch.randn(4, 256, 1152, device="cuda", requires_grad=True)
+    gate = torch.rand(4, 256, 1, device="cuda", requires_grad=True)
+    block(x, gate).square().mean().backward()
+    eager = GatedNormBlock().cuda()
+    x2, gate2 = x.detach().requires_grad_(), gate.detach().requires_grad_()
+    eager(x2, gate2).square().mean().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gate.grad, gate2.grad, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()

@@ -21,7 +21,7 @@ from torch._inductor.sizevars import SizeVarAllocator
 from torch._inductor.virtualized import V
 
 from litegen.compile import compile_blocks
-from litegen.kernels.row_reductions import PersistentRows, row_launch_config
+from litegen.kernels.row_reductions import ROWS_PER_PROGRAM, PersistentRows, row_launch_config
 from litegen.utils.config import CompileConfig, MainConfig
 
 
@@ -70,9 +70,10 @@ def test_forward_rows_up_to_the_limit_become_persistent():
         (Features(2049, ReductionHint.INNER), {}),
         (Features(1152, ReductionHint.INNER), {"cooperative": True}),
     ],
-    ids=["backward", "columns", "tiny-columns", "past-limit", "cooperative"],
+    ids=["backward-rows", "columns", "tiny-columns", "past-limit", "cooperative"],
 )
 def test_everything_else_keeps_inductors_choice(features, kwargs):
+    # Backward rows are made one-pass per kernel, by ``triton_kernel_kwargs`` (below).
     ours, theirs = decide(features, **kwargs)
     assert ours == theirs
 
@@ -96,23 +97,65 @@ def test_rows_made_persistent_get_a_fixed_launch_config():
         Features(1152, ReductionHint.DEFAULT, tiled_hint=ReductionHint.INNER),
     ):
         kwargs = launch_kwargs(features, tiling_scores=scores)
-        assert kwargs["fixed_config"].config == {"XBLOCK": 1, "num_warps": 2}
+        assert kwargs["fixed_config"].config == {"XBLOCK": ROWS_PER_PROGRAM, "num_warps": 2}
         assert kwargs["override_persistent_reduction"] is True
         assert kwargs["tiling_scores"] == scores  # inductor's own kwargs pass through
     assert row_launch_config(2048) == {"XBLOCK": 1, "num_warps": 2}
     assert row_launch_config(4096) == {"XBLOCK": 1, "num_warps": 4}
+    assert row_launch_config(1152, rows=2) == {"XBLOCK": 2, "num_warps": 2}
+
+
+def test_one_row_a_program_only_where_inductor_can_generate_it(monkeypatch):
+    from torch._inductor.codegen.triton import TritonSymbols
+
+    from litegen.kernels import row_reductions
+
+    # The locked torch (2.13) generates them; torch 2.11 fails on them (tests/gpu).
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert ROWS_PER_PROGRAM == 1
+
+    def get_block_shape(cls, expr):  # as torch 2.11 has it: indexes the dropped dimension
+        return [expr][cls.tree.tensor_dim]
+
+    monkeypatch.setattr(TritonSymbols, "get_block_shape", classmethod(get_block_shape))
+    assert not row_reductions._one_row_programs_compile()
+
+
+def test_backward_rows_become_one_pass_and_keep_inductors_tuning():
+    scores = {"x": 262144, "r0_": 906559488}  # C's backward norm kernel
+    for features in (
+        Features(1152, ReductionHint.INNER),
+        Features(1152, ReductionHint.DEFAULT, tiled_hint=ReductionHint.INNER),
+    ):
+        kwargs = launch_kwargs(features, backward=True, tiling_scores=scores)
+        assert kwargs["override_persistent_reduction"] is True
+        assert kwargs["override_cooperative_reduction"] is False
+        assert "fixed_config" not in kwargs
+    # Rows that stay DEFAULT with their tiling (sums down the tokens, in C) keep their loop.
+    kwargs = launch_kwargs(Features(1152, ReductionHint.DEFAULT), backward=True, tiling_scores={})
+    assert "override_persistent_reduction" not in kwargs
 
 
 @pytest.mark.parametrize(
     "features, kwargs",
     [
         (Features(512, ReductionHint.INNER), {}),  # persistent in inductor already
-        (Features(1152, ReductionHint.INNER), {"backward": True}),
+        (Features(512, ReductionHint.INNER), {"backward": True}),
         (Features(1152, ReductionHint.DEFAULT), {}),  # not contiguous rows
         (Features(1152, ReductionHint.OUTER), {}),
+        (Features(1152, ReductionHint.OUTER), {"backward": True}),
         (Features(2049, ReductionHint.INNER), {}),
+        (Features(2049, ReductionHint.INNER), {"backward": True}),
     ],
-    ids=["short-rows", "backward", "default-hint", "columns", "past-limit"],
+    ids=[
+        "short-rows",
+        "short-backward-rows",
+        "default-hint",
+        "columns",
+        "backward-columns",
+        "past-limit",
+        "backward-past-limit",
+    ],
 )
 def test_other_kernels_keep_inductors_tuning(features, kwargs):
     found = launch_kwargs(features, tiling_scores={"x": 1, "r0_": 1}, **kwargs)
@@ -159,6 +202,35 @@ def test_handler_is_set_only_while_a_block_compiles(limit):
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(
+    not hasattr(functorch_config, "force_non_lazy_backward_lowering"),
+    reason="this torch compiles backward graphs lazily, outside the block's call",
+)
+def test_backward_graphs_compile_inside_the_blocks_call_with_the_handler_set():
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    seen = []
+
+    def compiler(name):
+        def compile_graph(gm, example_inputs):
+            seen.append((name, isinstance(V.choices, PersistentRows)))
+            return gm.forward
+
+        return compile_graph
+
+    backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    model = Blocks()
+    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=2048), backend=backend)
+    out = model(torch.randn(2, 8, requires_grad=True))
+    # The backward graph compiled before any backward ran, with LiteGen's heuristics.
+    assert seen[:2] == [("forward", True), ("backward", True)], seen
+    compiled = len(seen)
+    out.sum().backward()
+    assert len(seen) == compiled
+    torch._dynamo.reset()
+
+
 def test_config_rejects_a_non_positive_limit_and_a_limit_without_compile():
     with pytest.raises(ValueError, match="persistent_rows"):
         compile_section = {"enabled": True, "persistent_rows": 0}
@@ -201,16 +273,14 @@ def empty_compile_cache(tmp_path, monkeypatch):
 
 
 def test_compile_caches_serve_each_setting_only_its_own_graphs(empty_compile_cache):
-    # Each run compiles one forward graph, inside the block's call, and one backward graph,
-    # which AOTAutograd compiles (static shapes) at the first backward, after the call, so
-    # without the key; backward graphs keep inductor's choice anyway, so sharing them is right.
+    # Each run compiles one forward and one backward graph, both inside the block's call.
     first = compile_and_run(2048)
     assert first.get("autograd_cache_miss") == 1 and first.get("fxgraph_cache_miss") == 2
     assert compile_and_run(2048).get("autograd_cache_hit") == 1
     for other in (None, 4096):  # the same block compiled without the setting, or another limit
         counts = compile_and_run(other)
         assert counts.get("autograd_cache_miss") == 1, counts
-        assert counts.get("fxgraph_cache_miss") == 1, counts  # the forward graph, compiled anew
+        assert counts.get("fxgraph_cache_miss") == 2, counts  # both graphs, compiled anew
     assert compile_and_run(None).get("autograd_cache_hit") == 1
 
 

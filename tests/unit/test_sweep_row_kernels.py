@@ -21,7 +21,7 @@ def write(path: Path, *lines: str) -> Path:
     return path
 
 
-def test_only_standalone_one_pass_norm_kernels_are_swept(tmp_path: Path):
+def test_only_standalone_norm_kernels_are_swept(tmp_path: Path):
     fixed = write(
         tmp_path / "ab" / "fixed.py",
         "def triton_unk_fused_add_native_layer_norm_1(in_ptr0, out_ptr0, xnumel, r0_numel):",
@@ -38,9 +38,9 @@ def test_only_standalone_one_pass_norm_kernels_are_swept(tmp_path: Path):
         "def triton_unk_fused_native_layer_norm_0(in_ptr0, xnumel, r0_numel):",
         "def get_args():",
     )
-    write(  # looped, not one-pass
+    looped = write(  # two-pass: swept with an R0_BLOCK axis too
         tmp_path / "gh" / "looped.py",
-        "def triton_red_fused_native_layer_norm_0(in_ptr0, xnumel, r0_numel):",
+        "def triton_red_fused_native_layer_norm_backward_0(in_ptr0, xnumel, r0_numel):",
         "def get_args():",
     )
     write(  # no benchmark harness (compiled without TORCHINDUCTOR_BENCHMARK_KERNEL=1)
@@ -51,4 +51,5 @@ def test_only_standalone_one_pass_norm_kernels_are_swept(tmp_path: Path):
     assert row_kernels(tmp_path) == [
         (fixed, "triton_unk_fused_add_native_layer_norm_1"),
         (autotuned, "triton_per_fused_native_layer_norm_0"),
+        (looped, "triton_red_fused_native_layer_norm_backward_0"),
     ]

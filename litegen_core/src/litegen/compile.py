@@ -23,9 +23,10 @@ variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8
 eagerly: use it only for fixed shapes.
 
 ``persistent_rows``: inductor reduces rows of up to 1024 elements in one pass, longer ones in
-two; LiteGen can raise that limit for the blocks' forward graphs
-(:mod:`litegen.kernels.row_reductions`), again only around each call of a compiled block, with
-the heuristics added to the compile caches' keys (:func:`_caches_keyed_on`).
+two; LiteGen can raise that limit for the blocks' graphs (:mod:`litegen.kernels.row_reductions`),
+again only around each call of a compiled block, with the heuristics added to the compile
+caches' keys (:func:`_caches_keyed_on`). The block's backward graph then compiles inside that
+call too, with its forward (:func:`_backward_compiled_in_this_call`).
 
 ``pack_qkv`` (runs whose attention is FA4): inductor's pre-grad pass slot gets
 :class:`litegen.kernels.packed_qkv.PackQkvAttention`, again only around each call of a compiled
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ class _CompiledForward:
 
                 settings.enter_context(V.set_choices_handler(self.choices))
                 settings.enter_context(_caches_keyed_on(self.choices, self.cache_key_slot_free))
+                settings.enter_context(_backward_compiled_in_this_call())
             inductor_config = torch._inductor.config
             if self.pre_grad_pass is not None and inductor_config.pre_grad_custom_pass is None:
                 pre_grad = {"pre_grad_custom_pass": self.pre_grad_pass}
@@ -151,6 +153,20 @@ def _caches_keyed_on(choices: Any, slot_free: bool) -> ExitStack:
         autograd_cache = {"enable_autograd_cache": False}
         settings.enter_context(torch._functorch.config.patch(**autograd_cache))
     return settings
+
+
+def _backward_compiled_in_this_call() -> Any:
+    """Has AOTAutograd compile a block's backward graph with its forward, inside the call.
+
+    With static shapes it compiles the backward lazily, at the first backward, after the block's
+    call has returned and its heuristics are unset, so they would reach forward graphs only.
+    Compiling it at once costs nothing more: every block that trains runs its backward. Torch
+    without the switch keeps compiling lazily.
+    """
+    functorch_config = torch._functorch.config
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -1,36 +1,43 @@
-"""One-pass (persistent) norms in compiled forwards: ``optimization.compile.persistent_rows``.
+"""One-pass (persistent) norms in compiled blocks: ``optimization.compile.persistent_rows``.
 
 Inductor compiles a reduction along rows of at most 1024 elements as a *persistent* Triton
 kernel: a program holds its rows in registers, so a LayerNorm reads its input once. Longer rows
 get a *looped* kernel that reads them twice, once for the mean and variance and once to
 normalise. DiT-XL's hidden size, 1152, sits just past the limit. On one H200, the two forward
 norm kernels of workload C's blocks (fused with the residual add and the adaLN modulation)
-took 7.1 ms a step looped and 5.3 ms persistent (docs/benchmarks.md). In backward graphs, where
-the norm kernels also sum gradients down the columns, persistent kernels measured slower, so
-backward graphs keep inductor's choice.
+took 7.1 ms a step looped and 5.3 ms persistent (docs/benchmarks.md).
 
-The rows made persistent here also get a fixed launch config, one row a program and a warp for
-every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning. Its
+Forward rows made persistent here also get a fixed launch config, one row a program and a warp
+for every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning. Its
 coordinate-descent search stops at the first config that no neighbour beats by 0.1%, and where
 it stopped changed from one machine start to the next: C's two forward norm kernels took 3.8
 to 6.4 ms a step on three starts. At C's shape the fixed config was the fastest of a grid of 20
 (``scripts/sweep_row_kernels.py``: 44.8 and 83.3 us a call against the autotuned 67.8 and
-99.3), and a step's two kernels take 3.7 ms.
+99.3), and a step's two kernels take 3.7 ms. Torch 2.11 cannot generate every kernel with one
+row a program, so there the config has two (:data:`ROWS_PER_PROGRAM`).
+
+Backward rows: the input gradient of a LayerNorm is a row reduction too. Those rows are made
+persistent kernel by kernel, where inductor's tiling scores call the kernel a row reduction;
+C's sums of gradients down the tokens (the adaLN scale and shift) keep their loop, which
+measured faster than persistent. Their launch config stays autotuned, because a fixed one
+with one row a program is what torch 2.11 fails to generate for them. In C the two backward
+norm kernels took 4.2 + 2.0 ms a step against 4.8 + 3.4 looped.
 
 :class:`PersistentRows` is inductor's own heuristics (``InductorChoices``) with that one
-threshold raised and that launch config fixed. :mod:`litegen.compile` installs it only around
-calls of LiteGen's compiled blocks, where their forward graphs compile, so other compiled code
-in the process is unchanged.
+threshold raised and those launch configs. :mod:`litegen.compile` installs it only around
+calls of LiteGen's compiled blocks, where their forward and backward graphs compile, so other
+compiled code in the process is unchanged.
 
 Example:
     >>> from torch._inductor.virtualized import V
     >>> with V.set_choices_handler(PersistentRows(2048)):  # doctest: +SKIP
-    ...     y = compiled_block(x, c)  # its first call compiles the forward
+    ...     y = compiled_block(x, c)  # its first call compiles forward and backward
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +52,7 @@ try:  # fixed launch configs of generated kernels (torch >= 2.6)
 except ImportError:  # pragma: no cover - older torch autotunes as before
     FixedTritonConfig = None
 
-__all__ = ["PersistentRows", "row_launch_config"]
+__all__ = ["ROWS_PER_PROGRAM", "PersistentRows", "row_launch_config"]
 
 # Inductor's own limit for persistent row reductions (``InductorChoices``).
 _INDUCTOR_PERSISTENT_ROWS = 1024
@@ -58,10 +65,11 @@ _SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 class PersistentRows(InductorChoices):
-    """Inductor's choices, with forward row reductions of up to ``limit`` elements persistent.
+    """Inductor's choices, with row reductions of up to ``limit`` elements persistent.
 
-    The rows it makes persistent (longer than inductor's own 1024) also get a fixed launch
-    config, :func:`row_launch_config`, instead of inductor's autotuning (module docstring).
+    The forward rows it makes persistent (longer than inductor's own 1024) also get a fixed
+    launch config, :func:`row_launch_config`, instead of inductor's autotuning; backward rows
+    keep it (module docstring).
 
     Example:
         >>> PersistentRows(2048).limit
@@ -85,7 +93,6 @@ class PersistentRows(InductorChoices):
         numel = features.reduction_numel
         return (
             config.triton.persistent_reductions
-            and not V.graph.is_backward
             and features.get_reduction_hint() not in _COLUMN_HINTS
             and isinstance(numel, (int, sympy.Integer))
             and low < int(numel) <= self.limit
@@ -94,7 +101,9 @@ class PersistentRows(InductorChoices):
     def should_use_persistent_reduction(  # type: ignore[override]
         self, features: Any, cooperative_reduction: bool
     ) -> bool:
-        if not cooperative_reduction and self._rows_in_range(features, 0):
+        # Backward graphs: only the rows that ``triton_kernel_kwargs`` picks (module docstring).
+        forward = not V.graph.is_backward
+        if forward and not cooperative_reduction and self._rows_in_range(features, 0):
             return True
         return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
 
@@ -110,13 +119,11 @@ class PersistentRows(InductorChoices):
             or _kernel_hint(features, kwargs.get("tiling_scores")) != ReductionHint.INNER
         ):
             return kwargs
-        launch = row_launch_config(int(features.reduction_numel))
-        return {
-            **kwargs,
-            "override_cooperative_reduction": False,
-            "override_persistent_reduction": True,
-            "fixed_config": FixedTritonConfig(launch),
-        }
+        one_pass = {"override_cooperative_reduction": False, "override_persistent_reduction": True}
+        if V.graph.is_backward:  # one pass, launch config autotuned (module docstring)
+            return {**kwargs, **one_pass}
+        launch = row_launch_config(int(features.reduction_numel), ROWS_PER_PROGRAM)
+        return {**kwargs, **one_pass, "fixed_config": FixedTritonConfig(launch)}
 
 
 def _kernel_hint(features: Any, tiling_scores: dict[str, int] | None) -> ReductionHint:
@@ -127,15 +134,38 @@ def _kernel_hint(features: Any, tiling_scores: dict[str, int] | None) -> Reducti
         return features.get_reduction_hint()
 
 
-def row_launch_config(row_numel: int) -> dict[str, int]:
-    """The launch config of a persistent kernel over rows of ``row_numel`` elements.
+def _one_row_programs_compile() -> bool:
+    """Whether this torch's inductor can generate one-row-a-program kernels that load per row.
 
-    One row a program, and a warp for every 1024 elements of the row padded to a power of two,
-    so that each thread holds 32 of them.
+    With one row a program, inductor drops the kernel's row dimension. Torch 2.11's shape
+    propagation still indexes it, and fails ("list indices must be integers or slices, not
+    NoneType") on a kernel that loads a value per row: a LayerNorm of ``x * gate`` with one
+    gate per token, or C's LayerNorm backward, which loads the saved mean. Later torch treats
+    the dropped dimension as a scalar, which is what this looks for.
+    """
+    try:
+        from torch._inductor.codegen.triton import TritonSymbols
+
+        return "tensor_dim is None" in inspect.getsource(TritonSymbols.get_block_shape)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+
+
+# One row a program measured fastest; two where inductor cannot generate it (docstring above).
+ROWS_PER_PROGRAM = 1 if _one_row_programs_compile() else 2
+
+
+def row_launch_config(row_numel: int, rows: int = 1) -> dict[str, int]:
+    """The launch config of a persistent kernel over ``rows`` rows of ``row_numel`` elements.
+
+    A warp for every 1024 elements of the row padded to a power of two, so that with one row a
+    program each thread holds 32 of them.
 
     Example:
         >>> row_launch_config(1152)
         {'XBLOCK': 1, 'num_warps': 2}
+        >>> row_launch_config(1152, rows=2)
+        {'XBLOCK': 2, 'num_warps': 2}
     """
     padded = 1 << (row_numel - 1).bit_length()
-    return {"XBLOCK": 1, "num_warps": max(1, min(32, padded // 1024))}
+    return {"XBLOCK": rows, "num_warps": max(1, min(32, padded // 1024))}
