@@ -34,7 +34,7 @@ from triton.testing import do_bench
 # Kernels with a LayerNorm (or its backward) in them: persistent ("per"), looped ("red"), and
 # "unk", inductor's name for kernels with a fixed launch config, which LiteGen's rows get.
 KERNEL = re.compile(r"def (triton_(?:per|red|unk)_fused\w*layer_norm\w*)\(")
-ROWS_PER_PROGRAM = [1, 2, 4, 8, 16]
+ROWS_GRID = [1, 2, 4, 8, 16]  # rows a program
 WARPS = [2, 4, 8, 16]
 LOOP_STEPS = [256, 512, 1024, 2048]  # R0_BLOCK of looped kernels
 
@@ -74,7 +74,7 @@ def sweep(path: Path, name: str, deadline: float) -> dict:
     # A persistent kernel holds its whole row; a looped one reads R0_BLOCK elements a step.
     steps = LOOP_STEPS if "R0_BLOCK" in fn.arg_names else [2048]
     timed = []
-    for rows, warps, step in itertools.product(ROWS_PER_PROGRAM, WARPS, steps):
+    for rows, warps, step in itertools.product(ROWS_GRID, WARPS, steps):
         if warps * 32 > rows * step or time.time() > deadline:
             continue
         launch = {"XBLOCK": rows, "num_warps": warps, "num_stages": 1}
