@@ -207,6 +207,7 @@ def test_handler_is_set_only_while_a_block_compiles(limit):
     reason="this torch compiles backward graphs lazily, outside the block's call",
 )
 def test_backward_graphs_compile_inside_the_blocks_call_with_the_handler_set():
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     torch._dynamo.reset()
@@ -215,7 +216,7 @@ def test_backward_graphs_compile_inside_the_blocks_call_with_the_handler_set():
     def compiler(name):
         def compile_graph(gm, example_inputs):
             seen.append((name, isinstance(V.choices, PersistentRows)))
-            return gm.forward
+            return make_boxed_func(gm.forward)
 
         return compile_graph
 
