@@ -72,13 +72,13 @@ def sweep(path: Path, name: str, deadline: float) -> dict:
     inductor_us = 1000 * do_bench(lambda: module.call(args), warmup=25, rep=100)
     print(f"\n{name}: {xnumel} rows; inductor's launch {inductor_us:.1f} us", flush=True)
     # A persistent kernel holds its whole row; a looped one reads R0_BLOCK elements a step.
-    steps = LOOP_STEPS if "R0_BLOCK" in fn.arg_names else [2048]
+    looped = "R0_BLOCK" in fn.arg_names
     timed = []
-    for rows, warps, step in itertools.product(ROWS_GRID, WARPS, steps):
+    for rows, warps, step in itertools.product(ROWS_GRID, WARPS, LOOP_STEPS if looped else [2048]):
         if warps * 32 > rows * step or time.time() > deadline:
             continue
         launch = {"XBLOCK": rows, "num_warps": warps, "num_stages": 1}
-        if "R0_BLOCK" in fn.arg_names:
+        if looped:
             launch["R0_BLOCK"] = step
         kernel = fn[(triton.cdiv(xnumel, rows),)]
         us = 1000 * do_bench(partial(kernel, *args, **launch), warmup=10, rep=50)

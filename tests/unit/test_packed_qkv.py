@@ -5,8 +5,9 @@ runs it eagerly (``aot_eager``: inductor's own pre-grad passes need its code gen
 the FP32 stand-in of test_fa4.py, so the tests check:
 
 * the rewrite of a DiT's ``view + permute`` split, of timm's ``unbind`` + ``transpose`` split
-  and of ``select`` + ``transpose``, also inside activation checkpointing: one packed op instead of SDPA, with the output and every gradient of the block
-  matching FP32 math attention;
+  and of ``select`` + ``transpose``, also inside activation checkpointing: one packed op
+  instead of SDPA, with the output and every gradient of the block matching FP32 math
+  attention;
 * the packed op's backward returns one gradient laid out like the packed tensor, which is the
   point: autograd then has nothing to copy;
 * calls the flash backend would not serve, or whose q, k, v are not one tensor's three slices,

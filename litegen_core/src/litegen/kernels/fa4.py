@@ -159,7 +159,8 @@ def _forward_on_cudnn(query: torch.Tensor, key: torch.Tensor, is_causal: bool, a
     On H200, cuDNN's forward measured faster than FA4's up to 1024 tokens (head dim 72: 0.150 ms
     against 0.203 at workload C's 256 tokens, 0.437 against 0.512 at 1024) and slower from 2048
     on, at head dims 64, 72 and 128 (``docs/benchmarks.md``). Its log-sum-exp is FA4's, so
-    FA4's backward takes cuDNN's output and gives the same gradients. Causal attention was not measured and stays on FA4.
+    FA4's backward takes cuDNN's output and gives the same gradients. Causal attention was not
+    measured and stays on FA4.
     """
     return (
         not is_causal

@@ -262,8 +262,10 @@ def _is_flash_call(
 
 
 def _op(node: fx.Node) -> tuple[str, tuple, dict]:
-    """``(name, args, kwargs)`` of a call: the same for ``x.unbind(2)`` and
-    ``torch.unbind(input=x, dim=2)``."""
+    """A call's name, args and kwargs.
+
+    The same for ``x.unbind(2)`` and ``torch.unbind(input=x, dim=2)``.
+    """
     if node.op not in ("call_method", "call_function"):
         return "", (), {}
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
