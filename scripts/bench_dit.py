@@ -18,7 +18,9 @@ B hidden 1536, depth 30, 12 heads of 128, 17160 tokens, batch 2; C DiT-XL/2 at 2
 backward) per SDPA backend at the workload's shape and names the kernel torch picks by default.
 ``--profile`` traces three more steps per side and splits a step's time by kernel category
 (attention, GEMM, elementwise, optimizer, communication, exposed communication, idle); both
-live in ``bench_profile.py``.
+live in ``bench_profile.py``. On CUDA the table also gives rank 0's GPU energy per timed step,
+mean power and SM clock, and the share of the time the power limit held the clock down
+(``gpu_power.py``): at the limit, a step's time is its energy over the limit.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_profile import attention_sweep, print_profiles, profile_summary
 from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
+from gpu_power import PowerMeter
 
 import litegen
 from litegen.flops import FlopCounter, peak_flops
@@ -217,13 +220,16 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for _ in range(args.steps):
-        sync(device)
-        start = time.perf_counter()
-        runner.step(batch)
-        sync(device)
-        times.append(time.perf_counter() - start)
+    meter = PowerMeter.for_device(device)
+    with meter or nullcontext():
+        for _ in range(args.steps):
+            sync(device)
+            start = time.perf_counter()
+            runner.step(batch)
+            sync(device)
+            times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    power = meter.reading() if meter else {}
     peak = peak_flops(device, args.peak_tflops)
     ema_ms = None
     if args.ema:  # the EMA update alone (it is also inside every timed step)
@@ -254,6 +260,11 @@ def measure(name: str, runner, batch, args, device, tokens: int) -> dict:
         else None,
         "ema_ms": ema_ms,
         "profile": profile,
+        # This rank's GPU over the timed steps (gpu_power.py): why machine starts differ.
+        "joules_per_step": power["joules"] / args.steps if power else None,
+        "watts": power.get("watts"),
+        "sm_mhz": power.get("sm_mhz"),
+        "power_capped": power.get("power_capped"),
     }
 
 
@@ -304,14 +315,19 @@ def fmt(value, spec: str) -> str:
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     head = f"{'strategy':<9}{'impl':<9}{'step ms':>9}{'tok/s/GPU':>11}{'img/s/GPU':>10}"
-    print(head + f"{'MFU':>7}{'peak GiB':>9}{'EMA ms':>8}{'time x':>8}{'tok x':>7}")
+    head += f"{'MFU':>7}{'peak GiB':>9}{'EMA ms':>8}{'time x':>8}{'tok x':>7}"
+    print(head + f"{'J/step':>8}{'W':>6}{'SM MHz':>7}{'capped':>7}")
     for r in rows:
+        capped = r.get("power_capped")
+        capped_text = "-" if capped is None else f"{100 * capped:.0f}%"
         print(
             f"{r['strategy']:<9}{r['impl']:<9}{r['step_ms']:>9.1f}"
             f"{r['tokens_per_s_per_gpu']:>11.0f}{r['samples_per_s_per_gpu']:>10.1f}"
             f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f'):>7}{fmt(r['peak_gib'], '.1f'):>9}"
             f"{fmt(r.get('ema_ms'), '.2f'):>8}"
             f"{fmt(r.get('time_x_hand'), '.3f'):>8}{fmt(r.get('tokens_x_hand'), '.3f'):>7}"
+            f"{fmt(r.get('joules_per_step'), '.1f'):>8}{fmt(r.get('watts'), '.0f'):>6}"
+            f"{fmt(r.get('sm_mhz'), '.0f'):>7}{capped_text:>7}"
         )
 
 

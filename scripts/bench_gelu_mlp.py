@@ -9,6 +9,7 @@ Defaults are workloads A and C's MLP (32768 tokens, 1152 -> 4608 -> 1152):
 
     python3 scripts/bench_gelu_mlp.py
     python3 scripts/bench_gelu_mlp.py --tokens 8192 --hidden 1536
+    python3 scripts/bench_gelu_mlp.py --energy   # and each row's energy at the power limit
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from dit_model import ms_per_call
+from gpu_power import PowerMeter, sustained
 
 from litegen.kernels import cublaslt
 from litegen.kernels.cublaslt import dgelu, gelu_aux_bias
@@ -28,6 +30,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=1152)
     p.add_argument("--mlp-ratio", type=int, default=4)
+    p.add_argument(
+        "--energy",
+        action="store_true",
+        help="also each row's energy per call under sustained load (gpu_power.py), where the "
+        "GPU runs at its power limit as in training",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (cuBLASLt)")
@@ -60,6 +68,15 @@ def main() -> None:
     print(f"{n} tokens, {d} -> {inner} -> {d}, bf16, {torch.cuda.get_device_name()}")
     for name, fn in rows.items():
         print(f"{ms_per_call(fn, device, calls=20):8.3f} ms  {name}")
+    meter = PowerMeter.for_device(device) if args.energy else None
+    if args.energy and meter is None:
+        print("--energy: NVML reads no energy on this GPU; skipped")
+    if meter is not None:
+        print("under sustained load (2 s each): ms and mJ a call, watts, SM clock")
+        for name, fn in rows.items():
+            r = sustained(fn, meter)
+            power = f"{r['mj']:6.0f} mJ {r['watts']:4.0f} W {r['sm_mhz']:5.0f} MHz"
+            print(f"{r['ms']:8.3f} ms {power}  {name}")
     # The fused rows above ran the fastest of cuBLASLt's candidate algorithms; these take the
     # heuristic's first choice, as cuBLASLt would unasked.
     cublaslt.TIME_CANDIDATES = False

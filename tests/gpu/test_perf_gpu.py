@@ -160,3 +160,17 @@ def test_persistent_rows_compile_norms_that_load_a_value_per_row():
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gate.grad, gate2.grad, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_the_power_meter_reads_a_gemm_loop_at_a_plausible_power():
+    from gpu_power import PowerMeter, sustained
+
+    meter = PowerMeter.for_device(torch.device("cuda"))
+    if meter is None:
+        pytest.skip("NVML reads no energy on this GPU")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    reading = sustained(lambda: a @ a, meter, seconds=0.5, settle_s=0.1)
+    assert 0 < reading["ms"] < 100 and reading["mj"] > 0
+    # Above an idle GPU's few tens of watts, within any GPU's limit; clocks of a working GPU.
+    assert 50 < reading["watts"] < 2000 and 100 < reading["sm_mhz"] < 4000
+    assert 0.0 <= reading["power_capped"] <= 1.0
