@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import litegen
 from litegen.compile import compile_blocks
-from litegen.kernels import apply_fused_gelu_mlp
+from litegen.kernels import apply_fused_gelu_mlp, quack_gemm
 from litegen.kernels.gelu_mlp import sum_rows
 from litegen.kernels.mlp_fusion import is_fused
 from litegen.utils.config import CompileConfig, MainConfig
@@ -154,6 +154,29 @@ def test_fused_mlps_survive_pickling_and_deepcopy(make, timm_importable):
 def test_bias_gradient_sums_are_column_sums():
     matrix = torch.randn(40, 24, dtype=torch.float64)
     torch.testing.assert_close(sum_rows(matrix), matrix.sum(0))
+
+
+def test_quack_serves_no_cpu_call_so_the_op_falls_back_to_torch():
+    x, w, b = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64)
+    assert quack_gemm.gelu_aux_bias(x.bfloat16(), w.bfloat16(), b.bfloat16()) is None
+
+
+def test_a_quack_that_cannot_build_its_kernel_is_reported_once_and_left(monkeypatch, caplog):
+    calls = []
+
+    def failing_gemm_act(*args, **kwargs):
+        calls.append(args)
+        raise TypeError("epilogue fn depends on <ContextVar ...>")
+
+    monkeypatch.setattr(quack_gemm, "_failure", None)
+    monkeypatch.setattr(quack_gemm, "_servable", lambda *tensors: True)
+    monkeypatch.setattr(quack_gemm, "_gemm_act", lambda: failing_gemm_act)
+    x, w, b = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64)
+    with caplog.at_level("WARNING", logger="litegen"):
+        assert quack_gemm.gelu_aux_bias(x, w, b) is None
+        assert quack_gemm.gelu_aux_bias(x, w, b) is None
+    assert len(calls) == 1  # not tried again
+    assert "TypeError: epilogue fn depends on" in caplog.text and "cuBLASLt" in caplog.text
 
 
 def test_flops_are_counted_as_for_the_unfused_mlp():

@@ -4,11 +4,12 @@ A DiT block's MLP is ``Linear -> GELU(tanh) -> Linear``. Compiled, its GEMMs are
 GELU is a Triton kernel of its own in each direction, a full pass over the 4x-wide hidden
 activation: on workload C (issue 8) 5.6 ms forward and 9.4 ms backward of a 206 ms step.
 Inductor cannot move that work into cuBLAS, and its own Triton GEMMs are slower than cuBLAS here
-(its autotuning keeps cuBLAS), so the fusion is left undone. This op does it with cuBLASLt's
-epilogues (:mod:`litegen.kernels.cublaslt`):
+(its autotuning keeps cuBLAS), so the fusion is left undone. This op does it in GEMM epilogues,
+quack's where it is installed (:mod:`litegen.kernels.quack_gemm`, forward only) and cuBLASLt's
+(:mod:`litegen.kernels.cublaslt`):
 
-* forward: ``pre, h = x @ w1.T + b1, gelu(pre)`` in the first GEMM (``GELU_AUX_BIAS``), then
-  ``h @ w2.T + b2``;
+* forward: ``pre, h = x @ w1.T + b1, gelu(pre)`` in the first GEMM (quack's GEMM with a GELU
+  epilogue, else cuBLASLt's ``GELU_AUX_BIAS``), then ``h @ w2.T + b2``;
 * backward: ``grad_pre = (grad_y @ w2) * gelu'(pre)`` in one GEMM (``DGELU``), then the
   weight and input gradients as plain GEMMs and the bias gradients as GEMVs (:func:`sum_rows`).
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from litegen.kernels import cublaslt
+from litegen.kernels import cublaslt, quack_gemm
 
 
 @torch.library.custom_op("litegen::gelu_mlp", mutates_args=())
@@ -37,7 +38,9 @@ def gelu_mlp(
     x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, pre, h)`` of ``y = gelu_tanh(x @ w1.T + b1) @ w2.T + b2`` for 2-D ``x``."""
-    fused = cublaslt.gelu_aux_bias(x, w1, b1)
+    fused = quack_gemm.gelu_aux_bias(x, w1, b1)
+    if fused is None:
+        fused = cublaslt.gelu_aux_bias(x, w1, b1)
     if fused is None:
         pre = F.linear(x, w1, b1)
         fused = pre, F.gelu(pre, approximate="tanh")

@@ -160,7 +160,7 @@ class KernelsConfig(Section):
 
     fused_layernorm: bool = False
     fused_gelu_mlp: bool = False
-    """Linear-GELU(tanh)-Linear MLPs with the GELU in cuBLASLt's GEMM epilogues
+    """Linear-GELU(tanh)-Linear MLPs with the GELU in GEMM epilogues, quack's or cuBLASLt's
     (see ``litegen.kernels.gelu_mlp``)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = "auto"
     """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
