@@ -3,7 +3,7 @@
 from litegen.kernels import apply_fused_gelu_mlp, apply_fused_layernorm
 
 swapped = apply_fused_layernorm(model)  # 0, with a warning, when Apex is not installed
-fused = apply_fused_gelu_mlp(model)  # MLPs whose GELU now runs in cuBLASLt's GEMM epilogues
+fused = apply_fused_gelu_mlp(model)  # MLPs whose GELU now runs in GEMM epilogues
 """
 
 from litegen.kernels.attention import attention_context

@@ -16,7 +16,7 @@ quack's where it is installed (:mod:`litegen.kernels.quack_gemm`, forward only) 
 It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). The pair is one custom op
 (``litegen::gelu_mlp``, with its backward op), opaque to ``torch.compile``, with FLOP formulas
 so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inputs, or when
-cuBLASLt has no algorithm for a shape, the same ops run with torch's kernels.
+neither quack nor cuBLASLt serves a shape, the same ops run with torch's kernels.
 :mod:`litegen.kernels.mlp_fusion` routes a model's MLPs through it.
 
 Example:

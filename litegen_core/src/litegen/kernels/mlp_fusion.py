@@ -7,8 +7,8 @@
 * timm's own ``Mlp`` (``fc1``, ``act``, ``fc2``) with its dropouts at 0 and no norm, which the
   reference DiT uses; a class of another library that is merely named ``Mlp`` is left alone.
 
-Both linears need a bias. Exact GELU (``approximate="none"``) is left alone, since cuBLASLt's
-epilogue is the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
+Both linears need a bias. Exact GELU (``approximate="none"``) is left alone, since the
+epilogues (cuBLASLt's and quack's) are the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
 norm) or a patched ``forward``, since the op would skip them.
 
 A matched module's class becomes a subclass whose ``forward`` calls
