@@ -18,6 +18,7 @@ from litegen.utils.config import CompileConfig, MemoryConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from dit_model import DiT, DiTConfig, sample_batch
+from gpu_power import PowerMeter, sustained
 
 pytestmark = [
     pytest.mark.gpu,
@@ -163,8 +164,6 @@ def test_persistent_rows_compile_norms_that_load_a_value_per_row():
 
 
 def test_the_power_meter_reads_a_gemm_loop_at_a_plausible_power():
-    from gpu_power import PowerMeter, sustained
-
     meter = PowerMeter.for_device(torch.device("cuda"))
     if meter is None:
         pytest.skip("NVML reads no energy on this GPU")

@@ -180,9 +180,17 @@ def _plan(key: tuple) -> _Plan:
     return _Plan(key)
 
 
-def _servable(*tensors: torch.Tensor) -> bool:
-    # cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
-    # aligned rows: bf16/fp16 dims that are multiples of 8.
+def servable(*tensors: torch.Tensor) -> bool:
+    """Whether epilogue GEMMs can read these tensors: CUDA, one of bf16/fp16, 16-byte rows.
+
+    cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
+    aligned rows: bf16/fp16 dims that are multiples of 8 (:mod:`litegen.kernels.quack_gemm`
+    asks the same).
+
+    Example:
+        >>> servable(torch.ones(4, 8))  # fp32 on CPU
+        False
+    """
     dtype = tensors[0].dtype
     return dtype in _DATA_TYPES and all(
         t.is_cuda and t.dtype == dtype and t.is_contiguous() and t.shape[-1] % 8 == 0
@@ -289,7 +297,7 @@ def gelu_aux_bias(
     Example:
         >>> pre, h = gelu_aux_bias(x, fc1.weight, fc1.bias)  # doctest: +SKIP
     """
-    if not _servable(x, weight, bias):
+    if not servable(x, weight, bias):
         return None
     n, k = x.shape
     m = weight.shape[0]
@@ -313,7 +321,7 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
     Example:
         >>> grad_pre = dgelu(grad_y, fc2.weight, pre)  # doctest: +SKIP
     """
-    if not _servable(grad_y, weight, pre):
+    if not servable(grad_y, weight, pre):
         return None
     n, k = grad_y.shape
     m = weight.shape[1]
@@ -325,4 +333,4 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
     return grad_pre if done else None
 
 
-__all__ = ["clear_plans", "dgelu", "gelu_aux_bias"]
+__all__ = ["clear_plans", "dgelu", "gelu_aux_bias", "servable"]

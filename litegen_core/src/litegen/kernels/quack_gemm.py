@@ -31,12 +31,13 @@ from collections.abc import Callable
 
 import torch
 
+from litegen.kernels import cublaslt
+
 # False: every call returns None, so the fused MLP runs cuBLASLt's epilogue.
 ENABLED = True
 # Why quack failed in this process, after which it is not called again (gelu_aux_bias).
 _failure: str | None = None
 log = logging.getLogger("litegen")
-_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -74,17 +75,11 @@ def gelu_aux_bias(
 
 
 def _servable(*tensors: torch.Tensor) -> bool:
-    # Hopper or newer, one half-precision dtype, rows whose 16-byte vectors TMA can load.
-    dtype, device = tensors[0].dtype, tensors[0].device
-    if dtype not in _DTYPES or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9 and all(
-        t.device == device
-        and t.dtype == dtype
-        and t.is_contiguous()
-        and t.shape[-1] % 8 == 0
-        and t.data_ptr() % 16 == 0
-        for t in tensors
+    # cuBLASLt's conditions, on Hopper or newer, with 16-byte aligned bases for TMA's loads.
+    return (
+        cublaslt.servable(*tensors)
+        and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+        and all(t.data_ptr() % 16 == 0 for t in tensors)
     )
 
 
