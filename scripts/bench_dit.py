@@ -46,11 +46,11 @@ from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_ba
 from gpu_power import PowerMeter
 
 import litegen
+from litegen.config import MainConfig
 from litegen.flops import FlopCounter, peak_flops
 from litegen.kernels.attention import attention_context
 from litegen.runtime.distributed import DistEnv
 from litegen.trainer import Trainer
-from litegen.utils.config import MainConfig
 from litegen_cli.recipe import apply_overrides
 
 GIB = 2**30

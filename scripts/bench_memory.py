@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
 
 from litegen.compile import compile_blocks
+from litegen.config import CompileConfig, MemoryConfig
 from litegen.memory import apply_memory_optimizations, select_evenly
 from litegen.memory.checkpointing import POLICY_CONTEXTS
-from litegen.utils.config import CompileConfig, MemoryConfig
 
 GIB = 2**30
 

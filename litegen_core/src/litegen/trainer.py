@@ -30,6 +30,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
+from litegen.config import MainConfig
 from litegen.data import to_device
 from litegen.entry import load_entry
 from litegen.flops import StepThroughput
@@ -37,7 +38,6 @@ from litegen.loss_guard import LossGuard
 from litegen.metrics import MetricsLogger
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
-from litegen.utils.config import MainConfig
 
 log = logging.getLogger("litegen")
 

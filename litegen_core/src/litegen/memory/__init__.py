@@ -72,8 +72,8 @@ def candidate_blocks(model: nn.Module, checkpoint_cfg: Any, strategy: Any = None
     name = strategy if isinstance(strategy, str) or strategy is None else strategy.name
     if name not in _SHARDING_STRATEGIES:
         return repeated_blocks(model)
+    from litegen.config import FSDP2Config
     from litegen.parallel.wrap import plan_units  # a plan only; no sharding code is loaded
-    from litegen.utils.config import FSDP2Config
 
     optimization = getattr(strategy, "optimization", None)
     fsdp2_cfg = optimization.parallel.fsdp2 if optimization is not None else FSDP2Config()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from litegen.config import MainConfig
 from litegen.data import build_dataloader
 from litegen.ema import EMA
 from litegen.memory import apply_memory_optimizations
@@ -25,7 +26,6 @@ from litegen.precision import cast_model
 from litegen.runtime import distributed
 from litegen.runtime.checkpoint_api import CheckpointAPI
 from litegen.runtime.prepare import PreparedModel, fqns_of, is_trainable, kind_of, owner_of
-from litegen.utils.config import MainConfig
 
 log = logging.getLogger("litegen")
 

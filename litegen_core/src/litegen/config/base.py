@@ -1,7 +1,7 @@
-"""The base of :mod:`litegen.utils.config`: the ``Config`` node, the ``Section`` bases of
+"""The base of :mod:`litegen.config`: the ``Config`` node, the ``Section`` bases of
 LiteGen's typed sections, and the error formatting shared by every constructor.
 
-Import the public names from :mod:`litegen.utils.config`. It must never import torch (the CLI
+Import the public names from :mod:`litegen.config`. It must never import torch (the CLI
 imports it for fast validation).
 """
 

@@ -1,6 +1,6 @@
 """The typed sections of ``MainConfig`` (runtime, optimization and its profiles, EMA, trainer).
 
-Import the public names from :mod:`litegen.utils.config`; this module only exists to keep
+Import the public names from :mod:`litegen.config`; this module only exists to keep
 each file readable. It must never import torch (the CLI imports it for fast validation).
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, create_model, model_validator
 
-from litegen.utils.config_base import ConfigError, ProfileSection, Section
+from litegen.config.base import ConfigError, ProfileSection, Section
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 """Names accepted by every dtype field."""
