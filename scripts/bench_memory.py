@@ -90,7 +90,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
                 "activation_offload": offload,
             }
         )
-        report = apply_memory_optimizations(model, memory, strategy="ddp")
+        report = apply_memory_optimizations(model, memory)
         offloader = report.offloader
         if compile_:
             compile_blocks(

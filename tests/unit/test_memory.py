@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from litegen.config import MemoryConfig, OptimizationConfig
 from litegen.memory import (
     ActivationOffloader,
     apply_memory_optimizations,
@@ -15,7 +16,7 @@ from litegen.memory import (
     is_checkpointed,
     select_evenly,
 )
-from litegen.utils.config import MemoryConfig
+from litegen.parallel import ParallelPlan, build_strategy
 from tests.distributed.harness import run_ranks
 
 HIDDEN, TOKENS, BATCH = 16, 6, 3
@@ -306,7 +307,12 @@ def test_target_paths_win_and_are_checked():
 
 
 def test_fsdp2_candidates_are_the_planned_sharding_units():
-    report = apply_memory_optimizations(make_net(), memory_cfg(0.5), strategy="fsdp2")
+    plan = ParallelPlan(
+        "fsdp2", torch.device("cpu"), world_size=1, rank=0, nnodes=1, local_world_size=1
+    )
+    model = make_net()
+    candidates = build_strategy(plan, OptimizationConfig()).checkpoint_candidates(model)
+    report = apply_memory_optimizations(model, memory_cfg(0.5), candidates=candidates)
     assert report.candidates == [f"blocks.{i}" for i in range(4)]
     assert report.checkpointed == ["blocks.1", "blocks.3"]
 

@@ -33,12 +33,16 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def configure_optimizer(
-    optimizer: torch.optim.Optimizer, settings: Any, *, master_weights: bool = True
+    optimizer: torch.optim.Optimizer,
+    settings: Any,
+    *,
+    master_weights: bool = True,
+    strategy: str = "this strategy",
 ) -> torch.optim.Optimizer:
     """Apply ``optimization.optimizer`` (an ``OptimizerConfig``) to ``optimizer`` in place.
 
     ``master_weights=False`` is for strategies without master-weight support: a requested
-    ``fp32_master_weights`` is then ignored with a warning.
+    ``fp32_master_weights`` is then ignored with a warning naming ``strategy``.
 
     Example:
         >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
@@ -48,10 +52,9 @@ def configure_optimizer(
         if master_weights:
             enable_master_weights(optimizer)
         else:
-            # The strategies named are those with Strategy.master_weights set.
             warnings.warn(
-                "optimization.optimizer.fp32_master_weights is only applied under ddp, zero1, "
-                "zero2, fsdp2 and hsdp; it is ignored with this strategy.",
+                f"optimization.optimizer.fp32_master_weights is not applied by {strategy}; it is "
+                "ignored (see docs/strategies.md for the strategies that keep FP32 masters).",
                 stacklevel=2,
             )
     return optimizer

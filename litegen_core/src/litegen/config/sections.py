@@ -13,9 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, model_validator
 
 from litegen.config.base import ConfigError, ProfileSection, Section
+from litegen.parallel import STRATEGIES
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 """Names accepted by every dtype field."""
+
+StrategyName = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
+"""The registered parallel strategies (:data:`litegen.parallel.STRATEGIES`)."""
 
 
 # --------------------------------------------------------------------------- runtime
@@ -68,7 +72,7 @@ class FSDP2Config(Section):
 class ParallelConfig(Section):
     """Parallel strategy and degrees (``optimization.parallel``)."""
 
-    strategy: Literal["ddp", "zero1", "zero2", "hsdp", "fsdp1", "fsdp2"] = "ddp"
+    strategy: StrategyName = "ddp"
     zero1: Zero1Config = Field(default_factory=Zero1Config)
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
     tp_size: int = Field(1, ge=1)

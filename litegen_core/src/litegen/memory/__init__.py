@@ -27,8 +27,6 @@ __all__ = [
     "select_evenly",
 ]
 
-_SHARDING_STRATEGIES = ("fsdp2", "hsdp")
-
 
 @dataclass
 class MemoryReport:
@@ -57,50 +55,19 @@ class MemoryReport:
         )
 
 
-def candidate_blocks(model: nn.Module, checkpoint_cfg: Any, strategy: Any = None) -> list[str]:
-    """The modules selective checkpointing chooses from, in forward (registration) order.
-
-    ``target_paths`` wins when given; under fsdp2/hsdp the planned sharding units follow
-    (outermost callable ones); otherwise the model's repeated blocks.
-
-    Example:
-        >>> candidate_blocks(dit, ActivationCheckpointConfig(enabled=True))
-        ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
-    """
-    if checkpoint_cfg.target_paths:
-        return list(checkpoint_cfg.target_paths)
-    name = strategy if isinstance(strategy, str) or strategy is None else strategy.name
-    if name not in _SHARDING_STRATEGIES:
-        return repeated_blocks(model)
-    from litegen.config import FSDP2Config
-    from litegen.parallel.wrap import plan_units  # a plan only; no sharding code is loaded
-
-    optimization = getattr(strategy, "optimization", None)
-    fsdp2_cfg = optimization.parallel.fsdp2 if optimization is not None else FSDP2Config()
-    modules = dict(model.named_modules())
-    # Containers (ModuleList/ModuleDict) are never called, so checkpointing them does nothing;
-    # of nested units, the outer one saves more and contains the inner one's work.
-    units = [
-        u
-        for u in plan_units(model, fsdp2_cfg)
-        if not isinstance(modules[u], nn.ModuleList | nn.ModuleDict)
-    ]
-    outer = [u for u in units if not any(u.startswith(o + ".") for o in units)]
-    order = {n: i for i, n in enumerate(modules)}
-    return sorted(outer, key=order.__getitem__)
-
-
 def apply_memory_optimizations(
-    model: nn.Module, memory: Any, *, strategy: Any = None
+    model: nn.Module, memory: Any, *, candidates: list[str] | None = None
 ) -> MemoryReport:
     """Checkpoint (and offload) the blocks ``optimization.memory`` asks for, in place.
 
-    ``memory`` is an ``optimization.memory`` section (``MemoryConfig``); ``strategy`` the
-    strategy that will wrap the model (or its name), which decides the candidates.
+    ``memory`` is an ``optimization.memory`` section (``MemoryConfig``). The blocks chosen from
+    are ``activation_checkpoint.target_paths`` when given, else ``candidates`` (``prepare``
+    passes the strategy's :meth:`~litegen.parallel.base.Strategy.checkpoint_candidates`), else
+    the model's repeated blocks; all in forward (registration) order.
 
     Example:
         >>> cfg = MemoryConfig(activation_checkpoint={"enabled": True, "selective_ratio": 0.5})
-        >>> apply_memory_optimizations(dit, cfg, strategy="ddp").checkpointed
+        >>> apply_memory_optimizations(dit, cfg).checkpointed
         ['blocks.1', 'blocks.3']
     """
     ac = memory.activation_checkpoint
@@ -122,7 +89,10 @@ def apply_memory_optimizations(
                 "policy block, ops or ops_lean with offload, or set activation_offload: false."
             )
         return MemoryReport(policy=ac.policy, memory_budget=ac.memory_budget)
-    candidates = candidate_blocks(model, ac, strategy)
+    if ac.target_paths:
+        candidates = list(ac.target_paths)
+    elif candidates is None:
+        candidates = repeated_blocks(model)
     chosen = select_evenly(candidates, ac.selective_ratio)
     offloader = ActivationOffloader() if memory.activation_offload and chosen else None
     checkpoint_modules(model, chosen, policy=ac.policy, offloader=offloader)

@@ -70,7 +70,6 @@ class Fsdp1Strategy(Strategy):
         'FullyShardedDataParallel'
     """
 
-    name: ClassVar[str] = "fsdp1"
     # Parameters are views into flat shards, so the EMA is an FP32 copy wrapped the same way.
     ema_from_copy: ClassVar[bool] = True
 

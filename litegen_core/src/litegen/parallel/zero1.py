@@ -243,7 +243,6 @@ def _to_device(state: dict, device: torch.device) -> dict:
 class Zero1Strategy(Strategy):
     """Our bucketed ZeRO-1 (or ZeroRedundancyOptimizer, by ``parameter_sync``); see the module."""
 
-    name = "zero1"
     grad_mode: ClassVar[str] = "all_reduce"
     master_weights: ClassVar[bool] = True
 

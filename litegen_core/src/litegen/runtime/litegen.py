@@ -175,7 +175,9 @@ class LiteGen(CheckpointAPI):
                 # holds weights and never runs forward.
                 template = copy.deepcopy(model)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
-            memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
+            memory = apply_memory_optimizations(
+                model, optimization.memory, candidates=strategy.checkpoint_candidates(model)
+            )
             if memory.memory_budget is not None and not optimization.compile.enabled:
                 raise ValueError(
                     "optimization.memory.activation_checkpoint.policy memory_budget is carried "
