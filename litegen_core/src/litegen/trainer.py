@@ -91,7 +91,7 @@ class Trainer:
         # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
         self.checkpointer = RunCheckpointer(
-            gen,
+            gen.trainables,
             self.config.get_checkpoint_dir(),
             keep_last=self.config.trainer.keep_last,
             async_save=self.config.trainer.async_checkpoint,

@@ -165,7 +165,7 @@ class Strategy:
     def load_optimizer_file(self, optimizer, model: nn.Module, path: Path) -> None:
         """Load what :meth:`save_optimizer_file` (of any strategy) wrote: one full file, or a
         ZeRO manifest with its rank shards (saved at any world size)."""
-        from litegen.parallel.zero_state import load_optimizer_state
+        from litegen.checkpoint.zero_state import load_optimizer_state
 
         self.load_full_optimizer_state(optimizer, model, load_optimizer_state(path))
 

@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from litegen.checkpoint import zero_state
 from litegen.optim import apply_backend, configure_optimizer, enable_master_weights
-from litegen.parallel import zero_state
 from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.buckets import (
     BucketedGradients,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import build_dataloader
 from litegen.ema import EMA
@@ -24,7 +25,6 @@ from litegen.memory import apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
 from litegen.runtime import distributed
-from litegen.runtime.checkpoint_api import CheckpointAPI
 from litegen.runtime.prepare import PreparedModel, fqns_of, is_trainable, kind_of, owner_of
 
 log = logging.getLogger("litegen")

@@ -1,7 +1,7 @@
 """The checkpoint half of the LiteGen object: single files, DCP folders, loads and resume.
 
-Mixed into :class:`litegen.runtime.litegen.LiteGen`; it relies on ``config``, ``ema``,
-``is_main_process`` and ``_entry`` from there.
+Mixed into :class:`litegen.runtime.litegen.LiteGen`, whose ``config``, ``ema``,
+``is_main_process``, ``models`` and ``_entry`` (the prepared model a call refers to) it uses.
 
     gen.save_model(step=1000)                      # <checkpoint_dir>/<exp_name>_step1000.pth
     gen.save_model_state("ckpt/1000", optimizer=optimizer, ema=True)   # sharded, reshards
@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint import (
+from litegen.checkpoint.files import (
     check_model_state,
     checkpoint_path,
     load_state,
@@ -26,7 +26,10 @@ from litegen.checkpoint import (
     replace_dir,
     save_state,
 )
-from litegen.runtime.prepare import PreparedModel
+from litegen.checkpoint.run_state import Trainable
+
+if TYPE_CHECKING:
+    from litegen.runtime.prepare import PreparedModel
 
 log = logging.getLogger("litegen")
 
@@ -113,11 +116,7 @@ class CheckpointAPI:
         ema: bool | None = None,
     ) -> dict[str, Any]:
         """The state dict torch.distributed.checkpoint saves and loads in place (sharded)."""
-        entry = self._entry(model)
-        state = entry.strategy.dcp_state(entry.module, optimizer)
-        if ema:
-            state["ema"] = self.ema.dcp_state()
-        return state
+        return self._trainable(model, optimizer, ema).dcp_state()
 
     def save_model_state(
         self,
@@ -163,12 +162,14 @@ class CheckpointAPI:
                 f"{path} is not a complete distributed checkpoint (no .metadata file); "
                 "point to a folder written by gen.save_model_state."
             )
-        entry = self._entry(model)
-        state = self.dcp_state(model, optimizer, ema)
+        target = self._trainable(model, optimizer, ema)
+        state = target.dcp_state()
         dcp.load(state, checkpoint_id=str(path))
-        entry.strategy.load_dcp_state(entry.module, optimizer, state)
-        if ema:
-            self.ema.load_dcp_state(state["ema"])
+        target.load_dcp_state(state)
+
+    def _trainable(self, model, optimizer, ema) -> Trainable:
+        entry = self._entry(model)
+        return Trainable(entry.module, optimizer, entry.strategy, self.ema if ema else None)
 
     def save_ema(
         self, output_folder: str | None = None, filename: str | None = None, step: int | None = None
@@ -217,6 +218,25 @@ class CheckpointAPI:
         expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         check_model_state(expected, state, path)
         self.ema.load_state_dict(state)
+
+    def trainables(self) -> list[Trainable]:
+        """What a run checkpoint holds: each trainable model with its optimizer; the EMA goes
+        with the first one.
+
+        Example:
+            >>> RunCheckpointer(gen.trainables, "results/dit").save(1000, state, files)
+        """
+        found = []
+        for i, entry in enumerate(m for m in self.models if m.trainable):
+            if len(entry.optimizers) > 1:
+                raise ValueError(
+                    "run checkpoints hold one optimizer per trainable model; this model has "
+                    f"{len(entry.optimizers)}. Use one optimizer with several param groups."
+                )
+            optimizer = entry.optimizers[0] if entry.optimizers else None
+            ema = self.ema if i == 0 else None
+            found.append(Trainable(entry.module, optimizer, entry.strategy, ema))
+        return found
 
     def _resume(self, model_path: str) -> None:
         entry = self._entry()
