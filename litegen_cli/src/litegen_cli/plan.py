@@ -51,9 +51,9 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     cfg = recipe.config
     parallel = _get(_get(cfg, "optimization", None), "parallel", None)
     world = recipe.launch.nproc_per_node * recipe.launch.nnodes
-    # tp/sp/cp/pp > 1 are reserved (not implemented), but they would divide the world.
+    # sp/cp > 1 divide the world into data-parallel groups.
     model_parallel = 1
-    for name in ("tp_size", "sp_size", "cp_size", "pp_size"):
+    for name in ("sp_size", "cp_size"):
         model_parallel *= int(_get(parallel, name, 1))
     accum = int(_get(_get(cfg, "trainer", None), "grad_accum_steps", 1))
     gbs = int(_get(cfg, "global_batch_size", 1))
@@ -61,7 +61,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     problems = []
     if world % model_parallel:
         problems.append(
-            f"field 'optimization.parallel': tp*sp*cp*pp = {model_parallel} does not divide "
+            f"field 'optimization.parallel': sp_size*cp_size = {model_parallel} does not divide "
             f"the world size {world} (launch.nproc_per_node * launch.nnodes)"
         )
     dp = max(world // model_parallel, 1)

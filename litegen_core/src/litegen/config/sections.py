@@ -10,7 +10,7 @@ import functools
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from litegen.config.base import ConfigError, ProfileSection, Section
 from litegen.parallel import STRATEGIES
@@ -75,10 +75,20 @@ class ParallelConfig(Section):
     strategy: StrategyName = "ddp"
     zero1: Zero1Config = Field(default_factory=Zero1Config)
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
-    tp_size: int = Field(1, ge=1)
     sp_size: int = Field(1, ge=1)
     cp_size: int = Field(1, ge=1)
-    pp_size: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tensor_or_pipeline_parallelism(cls, data: Any) -> Any:
+        named = [key for key in ("tp_size", "pp_size") if isinstance(data, Mapping) and key in data]
+        if named:
+            raise ValueError(
+                f"{' and '.join(named)}: LiteGen has no tensor or pipeline parallelism; remove "
+                f"{'them' if len(named) > 1 else 'it'} (data and sequence parallelism: strategy "
+                "and sp_size)."
+            )
+        return data
 
 
 class FSDP2MixedConfig(Section):
@@ -120,18 +130,6 @@ class CompileConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Inductor options passed as ``torch.compile(options=...)``, e.g.
     ``coordinate_descent_tuning: true``; torch allows them only with ``mode: default``."""
-    persistent_rows: int | None = Field(None, ge=1)
-    """Forward row reductions (norms) up to this many elements compile as one-pass (persistent)
-    Triton kernels; ``None`` keeps inductor's limit, 1024. 2048 covers DiT-XL's 1152."""
-
-    @model_validator(mode="after")
-    def _persistent_rows_needs_compile(self) -> CompileConfig:
-        if self.persistent_rows is not None and not self.enabled:
-            raise ValueError(
-                "persistent_rows changes the kernels that compile generates, and compile is off; "
-                "set optimization.compile.enabled: true, or leave persistent_rows unset."
-            )
-        return self
 
 
 class ActivationCheckpointConfig(Section):
@@ -163,11 +161,26 @@ class KernelsConfig(Section):
     """Kernel replacements (``optimization.kernels``)."""
 
     fused_layernorm: bool = False
-    fused_gelu_mlp: bool = False
-    """Linear-GELU(tanh)-Linear MLPs with the GELU in GEMM epilogues, quack's or cuBLASLt's
-    (see ``litegen.kernels.gelu_mlp``)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = "auto"
     """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
+
+
+class ExperimentalConfig(Section):
+    """Kernels that patch private or beta APIs (``optimization.experimental``), all off.
+
+    Each runs only on the torch release it was tested on and otherwise steps aside with a
+    one-line warning (``litegen.experimental``).
+    """
+
+    persistent_rows: int | None = Field(None, ge=1)
+    """Forward row reductions (norms) up to this many elements compile as one-pass (persistent)
+    Triton kernels with fixed launch configs; ``None`` keeps inductor's limit, 1024. Needs
+    ``optimization.compile.enabled``."""
+    fused_gelu_mlp: bool = False
+    """Linear-GELU(tanh)-Linear MLPs with the GELU in cuBLASLt's GEMM epilogues (CUDA)."""
+    master_adamw: bool = False
+    """FP32 master weights stepped by one Triton kernel for all parameters (CUDA, AdamW with
+    ``optimizer.fp32_master_weights`` and ``backend: fused``)."""
 
 
 @functools.cache
@@ -212,6 +225,7 @@ class OptimizationConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
 
     def resolve(self, profile: str | None = None) -> OptimizationConfig:
@@ -237,9 +251,20 @@ class OptimizationConfig(Section):
         except ConfigError as exc:
             raise exc.with_prefix("optimization", "profiles", profile) from None
 
+    @field_validator("experimental")
+    @classmethod
+    def _persistent_rows_needs_compile(cls, value: ExperimentalConfig, info: Any) -> Any:
+        compile_cfg = info.data.get("compile")
+        if value.persistent_rows is not None and compile_cfg and not compile_cfg.enabled:
+            raise ValueError(
+                "persistent_rows changes the kernels that compile generates, and compile is off; "
+                "set optimization.compile.enabled: true, or leave persistent_rows unset."
+            )
+        return value
+
     @model_validator(mode="after")
     def _profiles_resolve(self) -> OptimizationConfig:
-        # A profile is partial, so rules across fields (compile.persistent_rows needs
+        # A profile is partial, so rules across fields (experimental.persistent_rows needs
         # compile.enabled) can be checked only once it is merged over the general settings.
         # Merge each one now, so that a broken profile fails at load, not when a model uses it.
         for name in self.profiles:

@@ -1,4 +1,4 @@
-"""Memory optimisations: repeated-block detection, activation checkpointing and CPU offload.
+"""Memory optimisations: activation checkpointing and CPU offload of a model's blocks.
 
 ``prepare`` calls :func:`apply_memory_optimizations` once per trainable model, after casting and
 kernel replacement and before the strategy wraps the model (torchtitan's order: checkpointing,
@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from litegen.memory.blocks import repeated_blocks
+from litegen.blocks import repeated_blocks
 from litegen.memory.checkpointing import checkpoint_modules, is_checkpointed, select_evenly
 from litegen.memory.offload import ActivationOffloader, OffloadStats
 
@@ -23,7 +23,6 @@ __all__ = [
     "apply_memory_optimizations",
     "checkpoint_modules",
     "is_checkpointed",
-    "repeated_blocks",
     "select_evenly",
 ]
 

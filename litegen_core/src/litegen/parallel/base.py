@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from litegen.blocks import repeated_blocks
 from litegen.checkpoint.files import save_state
-from litegen.memory.blocks import repeated_blocks
 from litegen.parallel.plan import ParallelPlan
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from litegen.memory.blocks import repeated_blocks
+from litegen.blocks import repeated_blocks
 from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.fsdp2 import rebind_optimizer
 from litegen.precision import DTYPES

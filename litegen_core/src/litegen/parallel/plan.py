@@ -13,7 +13,7 @@ import torch
 from litegen.runtime.distributed import DistEnv
 
 # Degrees the config reserves for model parallelism that LiteGen does not implement yet.
-_RESERVED_DEGREES = ("tp_size", "sp_size", "cp_size", "pp_size")
+_RESERVED_DEGREES = ("sp_size", "cp_size")
 
 
 @dataclass(frozen=True)

@@ -108,9 +108,10 @@ class LiteGen(CheckpointAPI):
             for i, obj in enumerate(objects)
             if kinds[i] == "optimizer"
         }
+        lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model in zip(model_slots, raw_models, strict=True):
-            entry = self._prepare_model(model, strategy, optimization, first=not self.models)
+            entry = self._prepare_model(model, strategy, optimization, lab, first=not self.models)
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -119,6 +120,8 @@ class LiteGen(CheckpointAPI):
                 owner = owners[i]
                 entry = prepared[owner]
                 results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
+                if lab is not None:
+                    lab.configure_optimizer(results[i])
                 entry.optimizers.append(results[i])
             elif kind in ("dataset", "dataloader"):
                 results[i] = self._prepare_data(objects[i])
@@ -146,7 +149,7 @@ class LiteGen(CheckpointAPI):
             self._load_ema(entry, ema_cfg.resume_from)
 
     def _prepare_model(
-        self, model: nn.Module, strategy, optimization, *, first: bool
+        self, model: nn.Module, strategy, optimization, lab, *, first: bool
     ) -> PreparedModel:
         if first and self.config.init_from:
             self._load_into(model, self.config.init_from, what="init_from")
@@ -157,17 +160,8 @@ class LiteGen(CheckpointAPI):
             from litegen.kernels import apply_fused_layernorm
 
             apply_fused_layernorm(model)
-        if optimization.kernels.fused_gelu_mlp:
-            from litegen.kernels import apply_fused_gelu_mlp
-
-            fused = apply_fused_gelu_mlp(model)
-            log.info("%s: %d GELU MLPs fused", type(model).__name__, fused)
-            if not fused and is_trainable(model):
-                log.warning(
-                    "optimization.kernels.fused_gelu_mlp: %s has no Linear-GELU(tanh)-Linear MLP "
-                    "that can be fused (see docs/performance.md); nothing was fused.",
-                    type(model).__name__,
-                )
+        if lab is not None:
+            lab.swap_modules(model)
         if is_trainable(model):
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
@@ -190,13 +184,12 @@ class LiteGen(CheckpointAPI):
                 # After checkpointing (each compiled block holds its checkpoint) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
-                from litegen.kernels.attention import uses_fa4
 
                 compiled = compile_blocks(
                     model,
                     optimization.compile,
                     memory_budget=memory.memory_budget,
-                    pack_qkv=uses_fa4(optimization.kernels.attention_backend, self.device),
+                    block_context=lab.block_context() if lab is not None else None,
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -278,6 +271,20 @@ class LiteGen(CheckpointAPI):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _open_lab(optimization: Any) -> Any:
+    """The experimental features the config switches on (``litegen.experimental``), or None.
+
+    The one place the core reaches into the experimental area, and only when asked to.
+    """
+    from litegen.config import ExperimentalConfig
+
+    if optimization.experimental == ExperimentalConfig():
+        return None
+    from litegen.experimental import Lab
+
+    return Lab(optimization.experimental, optimization.compile.options)
 
 
 def initialize(config: MainConfig) -> LiteGen:

@@ -2,22 +2,19 @@
 
 A DiT block's MLP is ``Linear -> GELU(tanh) -> Linear``. Compiled, its GEMMs are cuBLAS and its
 GELU is a Triton kernel of its own in each direction, a full pass over the 4x-wide hidden
-activation: on workload C (issue 8) 5.6 ms forward and 9.4 ms backward of a 206 ms step.
-Inductor cannot move that work into cuBLAS, and its own Triton GEMMs are slower than cuBLAS here
-(its autotuning keeps cuBLAS), so the fusion is left undone. This op does it in GEMM epilogues,
-quack's where it is installed (:mod:`litegen.kernels.quack_gemm`, forward only) and cuBLASLt's
-(:mod:`litegen.kernels.cublaslt`):
+activation; inductor cannot move that work into cuBLAS. This op does it in cuBLASLt's GEMM
+epilogues (:mod:`litegen.experimental.cublaslt`):
 
-* forward: ``pre, h = x @ w1.T + b1, gelu(pre)`` in the first GEMM (quack's GEMM with a GELU
-  epilogue, else cuBLASLt's ``GELU_AUX_BIAS``), then ``h @ w2.T + b2``;
+* forward: ``pre, h = x @ w1.T + b1, gelu(pre)`` in the first GEMM (``GELU_AUX_BIAS``), then
+  ``h @ w2.T + b2``;
 * backward: ``grad_pre = (grad_y @ w2) * gelu'(pre)`` in one GEMM (``DGELU``), then the
   weight and input gradients as plain GEMMs and the bias gradients as GEMVs (:func:`sum_rows`).
 
 It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). The pair is one custom op
 (``litegen::gelu_mlp``, with its backward op), opaque to ``torch.compile``, with FLOP formulas
 so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inputs, or when
-neither quack nor cuBLASLt serves a shape, the same ops run with torch's kernels.
-:mod:`litegen.kernels.mlp_fusion` routes a model's MLPs through it.
+cuBLASLt does not serve a shape, the same ops run with torch's kernels.
+:mod:`litegen.experimental.mlp_fusion` routes a model's MLPs through it.
 
 Example:
     >>> y, pre, h = gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)  # x: (tokens, in)
@@ -30,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from litegen.kernels import cublaslt, quack_gemm
+from litegen.experimental import cublaslt
 
 
 @torch.library.custom_op("litegen::gelu_mlp", mutates_args=())
@@ -38,9 +35,7 @@ def gelu_mlp(
     x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, pre, h)`` of ``y = gelu_tanh(x @ w1.T + b1) @ w2.T + b2`` for 2-D ``x``."""
-    fused = quack_gemm.gelu_aux_bias(x, w1, b1)
-    if fused is None:
-        fused = cublaslt.gelu_aux_bias(x, w1, b1)
+    fused = cublaslt.gelu_aux_bias(x, w1, b1)
     if fused is None:
         pre = F.linear(x, w1, b1)
         fused = pre, F.gelu(pre, approximate="tanh")
@@ -62,10 +57,8 @@ def gelu_mlp_backward(
     grad_pre = cublaslt.dgelu(grad_y, w2, pre)
     if grad_pre is None:
         grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
-    # The bias gradients in GEMVs of their own: cuBLASLt's DGELU_BGRAD epilogue, which would add
-    # b1's to the DGELU GEMM, ran as a separate kernel, 2.6x slower than DGELU and a sum
-    # together, and BGRADB, which adds them to the weight gradients' GEMMs, was slower than the
-    # sums too (docs/benchmarks.md).
+    # The bias gradients as GEMVs of their own: cuBLASLt's DGELU_BGRAD and BGRADB epilogues,
+    # which would fold them into the GEMMs, measured slower (benchmarks/).
     return grad_pre @ w1, grad_pre.t() @ x, sum_rows(grad_pre), grad_y.t() @ h, sum_rows(grad_y)
 
 

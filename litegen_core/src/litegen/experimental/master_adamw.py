@@ -246,3 +246,18 @@ def _step_by_device_and_dtype(
 
 
 __all__ = ["adamw_master_step", "servable"]
+
+
+def one_pass_step(hyper: dict, *tensor_lists: list[torch.Tensor]) -> bool:
+    """:data:`litegen.optim.MasterStepKernel`: this kernel where it serves the group, else False.
+
+    Example:
+        >>> set_master_step_kernel(optimizer, one_pass_step)
+    """
+    numbers = (hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    if not all(isinstance(v, int | float) for v in numbers):  # e.g. a tensor learning rate
+        return False
+    if not servable(*tensor_lists):
+        return False
+    adamw_master_step(*tensor_lists, **hyper)
+    return True

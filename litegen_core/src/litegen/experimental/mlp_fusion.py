@@ -8,11 +8,11 @@
   reference DiT uses; a class of another library that is merely named ``Mlp`` is left alone.
 
 Both linears need a bias. Exact GELU (``approximate="none"``) is left alone, since the
-epilogues (cuBLASLt's and quack's) are the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
+epilogues are the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
 norm) or a patched ``forward``, since the op would skip them.
 
 A matched module's class becomes a subclass whose ``forward`` calls
-:func:`litegen.kernels.gelu_mlp.gelu_mlp`: ``FusedGeluSequential``, or ``FusedGeluMlp`` made
+:func:`litegen.experimental.gelu_mlp.gelu_mlp`: ``FusedGeluSequential``, or ``FusedGeluMlp`` made
 for timm's class. It is a class swap, not an instance ``forward``, so every block's MLP keeps
 one class and the blocks still share one compiled graph. The module tree, parameter names and
 ``state_dict`` keys stay the user's. The check runs again at every call. If the MLP has changed
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from litegen.kernels.gelu_mlp import gelu_mlp
+from litegen.experimental.gelu_mlp import gelu_mlp
 
 _TIMM_MLP_NO_OPS = ("drop1", "norm", "drop2")
 

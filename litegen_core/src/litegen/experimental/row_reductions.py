@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
 import sympy
+import torch
 from torch._inductor import config
 from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
@@ -52,7 +56,7 @@ try:  # fixed launch configs of generated kernels (torch >= 2.6)
 except ImportError:  # pragma: no cover - older torch autotunes as before
     FixedTritonConfig = None
 
-__all__ = ["ROWS_PER_PROGRAM", "PersistentRows", "row_launch_config"]
+__all__ = ["ROWS_PER_PROGRAM", "PersistentRows", "persistent_rows_context", "row_launch_config"]
 
 # Inductor's own limit for persistent row reductions (``InductorChoices``).
 _INDUCTOR_PERSISTENT_ROWS = 1024
@@ -169,3 +173,79 @@ def row_launch_config(row_numel: int, rows: int = 1) -> dict[str, int]:
     """
     padded = 1 << (row_numel - 1).bit_length()
     return {"XBLOCK": rows, "num_warps": max(1, min(32, padded // 1024))}
+
+
+class _CacheKey(CustomGraphPass):
+    """A post-grad pass that leaves the graph as it is; its ``uuid`` joins the cache keys."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def _caches_keyed_on(choices: PersistentRows, slot_free: bool) -> ExitStack:
+    """Compile caches that tell graphs compiled with ``choices`` from all others.
+
+    Inductor's and AOTAutograd's caches key on inductor's config and its custom passes, not on
+    its heuristics, so on their own they would hand graphs compiled with ``choices`` to compiles
+    without them, and the other way round. A custom post-grad pass that changes nothing puts
+    ``choices`` into the keys. Where that slot holds a pass of the user's (inductor's config,
+    or ``optimization.compile.options``, which inductor applies over ours), the caches are off.
+    """
+    settings = ExitStack()
+    inductor_config = torch._inductor.config
+    if slot_free and inductor_config.post_grad_custom_post_pass is None:
+        key = _CacheKey(choices.cache_key())
+        settings.enter_context(inductor_config.patch(post_grad_custom_post_pass=key))
+    else:
+        settings.enter_context(inductor_config.patch(fx_graph_cache=False))
+        autograd_cache = {"enable_autograd_cache": False}
+        settings.enter_context(torch._functorch.config.patch(**autograd_cache))
+    return settings
+
+
+def _backward_compiled_in_this_call() -> AbstractContextManager:
+    """Has AOTAutograd compile a block's backward graph with its forward, inside the call.
+
+    With static shapes it compiles the backward lazily, at the first backward, after the block's
+    call has returned and its heuristics are unset, so they would reach forward graphs only.
+    Compiling it at once costs nothing more: every block that trains runs its backward. Torch
+    without the switch keeps compiling lazily.
+    """
+    functorch_config = torch._functorch.config
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def persistent_rows_context(
+    limit: int, compile_options: dict[str, Any] | None = None
+) -> Callable[[], AbstractContextManager]:
+    """The context :func:`litegen.compile.compile_blocks` enters around each compiled block call.
+
+    It installs :class:`PersistentRows` (``limit``) as inductor's heuristics, keys the compile
+    caches on it, and has the block's backward graph compile inside the call, where the
+    heuristics are set. ``compile_options`` are ``optimization.compile.options``: a user's own
+    post-grad pass there turns the caches off instead.
+
+    Example:
+        >>> compile_blocks(dit, compile_cfg, block_context=persistent_rows_context(2048))
+    """
+    from torch._inductor.virtualized import V
+
+    choices = PersistentRows(limit)
+    slot_free = "post_grad_custom_post_pass" not in (compile_options or {})
+
+    def context() -> AbstractContextManager:
+        settings = ExitStack()
+        settings.enter_context(V.set_choices_handler(choices))
+        settings.enter_context(_caches_keyed_on(choices, slot_free))
+        settings.enter_context(_backward_compiled_in_this_call())
+        return settings
+
+    return context

@@ -1,4 +1,4 @@
-"""cuBLASLt GEMMs with a GELU epilogue, through ctypes (used by :mod:`litegen.kernels.gelu_mlp`).
+"""cuBLASLt GEMMs with a GELU epilogue, through ctypes (used by :mod:`litegen.experimental.gelu_mlp`).
 
 torch's own GEMMs reach cuBLASLt's bias and GELU epilogues (``torch._addmm_activation``) but
 not the two a GELU MLP needs for training, which keep the activation out of its own kernels:
@@ -9,10 +9,9 @@ not the two a GELU MLP needs for training, which keep the activation out of its 
   layer and the GELU.
 
 Each shape's plan asks cuBLASLt's heuristic for up to 8 algorithms and, on its first call,
-times them all and keeps the fastest: the heuristic's first choice for ``DGELU`` measured 3-10%
-slower than the best candidate (docs/benchmarks.md). Like ``torch.backends.cudnn.benchmark``,
-this makes the chosen kernel, and so the last bits of the result, depend on timing; set
-``TIME_CANDIDATES = False`` for the heuristic's choice.
+times them all and keeps the fastest (the heuristic's first choice measured slower for
+``DGELU``; benchmarks/). Like ``torch.backends.cudnn.benchmark``, this makes the chosen
+kernel, and so the last bits of the result, depend on timing.
 
 cuBLASLt is column-major, so a row-major ``(rows, cols)`` tensor is passed as its transpose.
 Both functions return ``None`` for a call cuBLASLt cannot serve (CPU, fp32, mixed dtypes,
@@ -47,9 +46,6 @@ _WORKSPACE_BYTES = 32 * 2**20
 # (about 50 ms per plan at workload C's shapes): with 3, a forward plan once kept a candidate
 # 3% slower than the heuristic's.
 _CANDIDATES, _TIMED_RUNS = 8, 10
-# False: take the heuristic's first algorithm untimed. Read when a plan makes its choice, so
-# set it before the first call, or call clear_plans() (bench_gelu_mlp.py compares the two).
-TIME_CANDIDATES = True
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -184,8 +180,7 @@ def servable(*tensors: torch.Tensor) -> bool:
     """Whether epilogue GEMMs can read these tensors: CUDA, one of bf16/fp16, 16-byte rows.
 
     cuBLASLt reads rows as laid out (contiguous, one dtype) and its epilogues want 16-byte
-    aligned rows: bf16/fp16 dims that are multiples of 8 (:mod:`litegen.kernels.quack_gemm`
-    asks the same).
+    aligned rows: bf16/fp16 dims that are multiples of 8.
 
     Example:
         >>> servable(torch.ones(4, 8))  # fp32 on CPU
@@ -262,7 +257,7 @@ def _fastest(candidates: list[_HeuristicResult], launch) -> _HeuristicResult:
     The heuristic's first choice is not always the fastest for epilogue GEMMs. Timing needs a
     synchronisation, so it happens once per plan, and never while a CUDA graph is captured.
     """
-    if not TIME_CANDIDATES or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+    if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     best, best_ms = candidates[0], float("inf")
     for candidate in candidates:
@@ -277,16 +272,6 @@ def _fastest(candidates: list[_HeuristicResult], launch) -> _HeuristicResult:
         if start.elapsed_time(end) < best_ms:
             best, best_ms = candidate, start.elapsed_time(end)
     return best
-
-
-def clear_plans() -> None:
-    """Forget every plan (descriptors and chosen algorithms); the next calls choose again.
-
-    Example:
-        >>> cublaslt.TIME_CANDIDATES = False  # doctest: +SKIP
-        >>> cublaslt.clear_plans()  # the heuristic's first choice from now on
-    """
-    _plan.cache_clear()
 
 
 def gelu_aux_bias(
@@ -333,4 +318,4 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
     return grad_pre if done else None
 
 
-__all__ = ["clear_plans", "dgelu", "gelu_aux_bias", "servable"]
+__all__ = ["dgelu", "gelu_aux_bias", "servable"]
