@@ -100,9 +100,23 @@ class FSDP2MixedConfig(Section):
     cast_forward_inputs: bool = True
 
 
+PRECISION_PRESETS: dict[str, dict[str, Any]] = {
+    # Parameters stored (and gathered, and reduced) in bf16, stepped through FP32 masters; the
+    # forward runs under bf16 autocast (MainConfig sets trainer.autocast).
+    "bf16-mixed": {
+        "precision": {"cast_model": "bf16"},
+        "optimizer": {"fp32_master_weights": True},
+    },
+}
+"""``optimization.precision.preset`` -> the optimization fields it sets (unless set explicitly)."""
+
+
 class PrecisionConfig(Section):
     """Model dtype cast and mixed precision (``optimization.precision``)."""
 
+    preset: Literal[tuple(PRECISION_PRESETS)] | None = None  # type: ignore[valid-type]
+    """A named combination of the fields below, ``optimizer.fp32_master_weights`` and
+    ``trainer.autocast``; fields written in the config win over it."""
     cast_model: Dtype | None = None
     cast_exclude_paths: list[str] = Field(default_factory=list)
     fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
@@ -206,6 +220,15 @@ def profile_model(section: type[Section]) -> type[ProfileSection]:
     return create_model(name, __base__=ProfileSection, __doc__=doc, **fields)
 
 
+def value_at(data: Any, *keys: str) -> Any:
+    """``data[k0][k1]...`` of nested mappings, or None where a level is missing."""
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
@@ -227,6 +250,14 @@ class OptimizationConfig(Section):
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_precision_preset(cls, data: Any) -> Any:
+        preset = value_at(data, "precision", "preset")
+        if preset not in PRECISION_PRESETS:
+            return data  # None, or a name the field's own validation rejects
+        return _deep_merge(PRECISION_PRESETS[preset], data)
 
     def resolve(self, profile: str | None = None) -> OptimizationConfig:
         """General settings for ``None``, else the profile merged over them.
