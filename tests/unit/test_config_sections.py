@@ -265,5 +265,5 @@ def test_the_bf16_mixed_preset_sets_its_fields_unless_written() -> None:
     profiled = MainConfig(optimization={"profiles": {"p": {"precision": {"preset": "bf16-mixed"}}}})
     assert profiled.optimization_for("p").precision.cast_model == "bf16"
     assert profiled.optimization_for(None).precision.cast_model is None
-    with pytest.raises(ValueError, match="optimization.precision.preset"):
+    with pytest.raises(ValueError, match=r"optimization\.precision\.preset"):
         MainConfig(optimization={"precision": {"preset": "bf16"}})
