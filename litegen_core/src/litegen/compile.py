@@ -13,8 +13,15 @@ which runs the module's hooks inside the compiled region. FSDP's all-gather hook
 Dynamo-disabled, so they would split every block's graph in two. Compiling the instance's
 ``forward`` keeps the hooks eager around the compiled region (torchtitan's layout), and since no
 wrapper module is inserted, ``state_dict`` keys and parameter objects stay the user's (no
-``_orig_mod.`` prefix). A checkpointed block's ``forward`` is already the checkpoint wrapper,
-so the compiled region contains the checkpoint and its recomputation.
+``_orig_mod.`` prefix).
+
+A block that activation checkpointing or offload manages has a
+:class:`litegen.memory.block_forward.BlockForward` as its ``forward``; it is compiled from
+inside (:meth:`~litegen.memory.block_forward.BlockForward.compile`): its plain forward, and with
+``inside_compile`` its checkpointed forward too, each become a compiled callable, while the
+offloader's saved-tensor hooks stay eager around them (hooks entered inside a compiled region
+would break its graph). So each mode has its graph, and the budget planner can switch a
+block's mode without a recompile.
 
 ``dynamic``: ``None`` lets Dynamo compile the first shape static and, at the first new shape,
 recompile once with dynamic sizes (at most two compiles per block for any number of
@@ -57,6 +64,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
@@ -67,6 +75,7 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.parallel import DistributedDataParallel
 
+from litegen.memory.block_forward import block_forward
 from litegen.memory.blocks import repeated_blocks
 
 log = logging.getLogger("litegen")
@@ -88,7 +97,7 @@ class _CompiledForward:
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
-        self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
+        self.patched = patched  # whether ``original`` was set on the instance
         self.memory_budget = memory_budget
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
@@ -171,6 +180,9 @@ def _backward_compiled_in_this_call() -> Any:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled this module's ``forward``."""
+    managed = block_forward(module)
+    if managed is not None:
+        return managed.compiled
     return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
@@ -266,13 +278,8 @@ def compile_blocks(
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
         torch._dynamo.config.automatic_dynamic_shapes = True
-    done: list[str] = []
-    for path in paths:
-        module = model.get_submodule(path) if path else model
-        if is_compiled(module):
-            continue
-        original = module.forward
-        patched = "forward" in module.__dict__
+
+    def compiled_forward(original: Callable, patched: bool, is_block: bool) -> _CompiledForward:
         try:
             compiled = torch.compile(original, **kwargs)
         except RuntimeError as exc:  # torch checks the options' names and types here
@@ -283,16 +290,29 @@ def compile_blocks(
                 f"optimization.compile.options: {reason}; the names and types are those of "
                 "torch._inductor.config."
             ) from exc
-        module.forward = _CompiledForward(
+        return _CompiledForward(
             original,
             compiled,
             patched,
             memory_budget,
-            is_block=bool(path),
+            is_block=is_block,
             choices=choices,
             cache_key_slot_free="post_grad_custom_post_pass" not in kwargs.get("options", {}),
             pre_grad_pass=pre_grad_pass,
         )
+
+    done: list[str] = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        if is_compiled(module):
+            continue
+        managed = block_forward(module)
+        if managed is not None:  # checkpointing/offload: compile what each mode runs
+            managed.compile(functools.partial(compiled_forward, patched=False, is_block=bool(path)))
+        else:
+            module.forward = compiled_forward(
+                module.forward, "forward" in module.__dict__, is_block=bool(path)
+            )
         done.append(path)
     return done
 
@@ -301,7 +321,11 @@ def uncompile_blocks(model: nn.Module) -> int:
     """Restore the eager ``forward`` of every compiled module; returns how many were restored."""
     count = 0
     for module in model.modules():
-        if is_compiled(module):
+        managed = block_forward(module)
+        if managed is not None and managed.compiled:
+            managed.uncompile()
+            count += 1
+        elif is_compiled(module):
             wrapper = module.__dict__.pop("forward")
             if wrapper.patched:
                 module.forward = wrapper.original

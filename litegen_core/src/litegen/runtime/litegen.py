@@ -175,17 +175,19 @@ class LiteGen(CheckpointAPI):
                 # holds weights and never runs forward.
                 template = copy.deepcopy(model)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
-            memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
+            memory = apply_memory_optimizations(
+                model, optimization.memory, strategy=strategy, device=self.device
+            )
             if memory.memory_budget is not None and not optimization.compile.enabled:
                 raise ValueError(
                     "optimization.memory.activation_checkpoint.policy memory_budget is carried "
                     "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
                     "or use policy ops (or block) without compile."
                 )
-            if optimization.memory.activation_checkpoint.enabled:
+            if memory.candidates or memory.memory_budget is not None:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
-                # After checkpointing (each compiled block holds its checkpoint) and before the
+                # After checkpointing (compiled inside each block's BlockForward) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
                 from litegen.kernels.attention import uses_fa4
