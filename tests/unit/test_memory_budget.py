@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
+from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, is_checkpointed
 from litegen.memory.budget import BlockCost, candidate_plans, choose
-from litegen.utils.config import MemoryConfig
+from litegen.utils.config import CompileConfig, MemoryConfig
 from tests.distributed.harness import run_ranks
 
 ROWS, WIDTH, DEPTH = 8, 256, 4
@@ -184,3 +186,18 @@ def test_ranks_plan_with_the_largest_figures_and_agree():
     budget = (2 * 4 * INPUT + 2 * 2 * ACTIVATION + 100) / 2**30
     results = run_ranks(ddp_auto, 2, budget)
     assert results[0]["checkpointed"] == results[1]["checkpointed"] == ["blocks.1", "blocks.3"]
+
+
+def test_auto_switches_compiled_blocks_between_one_graph_per_mode():
+    torch._dynamo.reset()
+    expected = train(make())
+    model = make()
+    report = apply_memory_optimizations(model, auto_cfg(4 * INPUT + 2 * ACTIVATION), device="cpu")
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(model, CompileConfig(enabled=True), backend=counter)
+    torch.testing.assert_close(train(model), expected)
+    # The counting run and the plain blocks share the plain graph, the rest the checkpointed one.
+    assert report.planner.plan.estimate_bytes <= 4 * INPUT + 2 * ACTIVATION
+    assert 0 < len(report.checkpointed) < DEPTH
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
