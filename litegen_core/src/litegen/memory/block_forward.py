@@ -69,6 +69,7 @@ class BlockForward:
         self,
         forward: Callable,
         *,
+        module: nn.Module | None = None,
         checkpoint: bool = False,
         offload: bool = False,
         context_fn: Callable | None = None,
@@ -78,6 +79,7 @@ class BlockForward:
         if offload and offloader is None:
             raise ValueError("BlockForward(offload=True) needs the offloader that moves tensors.")
         self.original = forward  # the block's own bound forward
+        self.module = module if module is not None else forward.__self__  # the block
         self.checkpoint = checkpoint
         self.offload = offload
         self.context_fn = context_fn
@@ -88,11 +90,6 @@ class BlockForward:
         self.plain: Callable = forward
         self.checkpointed: Callable = self._checkpoint_original
         self.compiled = False
-
-    @property
-    def module(self) -> nn.Module:
-        """The block this forward belongs to."""
-        return self.original.__self__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference/EMA: nothing to save, nothing to recompute

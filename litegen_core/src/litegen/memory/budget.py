@@ -139,7 +139,8 @@ class BudgetPlanner:
             block.checkpoint, block.offload, block.meter = True, False, self
 
     def _optimizer_step(self, *_: Any) -> None:
-        self._stepped = True
+        # Steps before this model's first forward (another model's optimizer) end nothing.
+        self._stepped = self._measured.forwards > 0
 
     # -- the first step ----------------------------------------------------------------------
     def call(self, block: BlockForward, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -195,7 +196,8 @@ class BudgetPlanner:
         ):
             out = block.plain(*args, **kwargs)
         outputs = _storages(out)
-        del out, held
+        del out
+        held.clear()
         activation = sum(n for ptr, n in made.items() if ptr not in outputs)
         cost = self._measured.costs[path]
         cost.activation_bytes = max(cost.activation_bytes, activation)

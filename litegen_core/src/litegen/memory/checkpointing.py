@@ -181,6 +181,7 @@ def wrap_blocks(
         if forward is None:  # prepared twice: keep the first wrapping
             forward = BlockForward(
                 module.forward,
+                module=module,
                 checkpoint=path in checkpointed,
                 offload=path in offloaded,
                 context_fn=context_fn,
