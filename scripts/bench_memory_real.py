@@ -22,15 +22,16 @@ the peak is ``max_memory_allocated`` over the timed steps. Variants:
 
 ``--longest`` searches the most frames one training step fits, for no checkpointing, full
 checkpointing, and full checkpointing + offload: a peak measured at a few frames (the table's,
-or a seed probe's) predicts the limit with memory linear in frames, then probes, each in its own
-process, bisect to ``--frame-step`` frames (out of memory = too long). ``--memory-limit-gib``
+this run's or ``--seed-from`` an earlier one's, else a seed probe's) predicts the limit with
+memory linear in frames, then probes, each in its own process, bisect to ``--frame-step``
+frames (finer for short limits; out of memory = too long). ``--memory-limit-gib``
 caps what each probe may allocate (``torch.cuda.set_per_process_memory_fraction``), emulating a
 smaller device so that probes stay short; the ratio between the three is what the search shows.
 Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
 
-    python3 scripts/bench_memory_real.py --out wan_table.json                   # ~6 min
-    python3 scripts/bench_memory_real.py --longest --variants --memory-limit-gib 40 \\
-        --out wan_longest.json                                                  # ~8 min
+    python3 scripts/bench_memory_real.py --out wan_table.json
+    python3 scripts/bench_memory_real.py --longest --variants --seed-from wan_table.json \\
+        --memory-limit-gib 32 --probes 3 --out wan_longest.json
     uv run --no-sync python scripts/bench_memory_real.py --device cpu --tiny --longest  # smoke
 
 ``--time-budget-s`` stops starting new processes past that many seconds and writes what it has.
@@ -367,7 +368,6 @@ def run_table(runner: Runner, variants: list[str], frames: int) -> list[dict[str
 def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[str, Any]:
     """The most frames (a multiple of ``--frame-step``) one step of ``variant`` fits."""
     a = runner.args
-    step = a.frame_step
     probes: list[dict[str, Any]] = []
     lo, hi = 0, None
     if seed is None or seed.get("peak_gib") is None:  # no table row to predict from (or cpu)
@@ -380,6 +380,7 @@ def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[s
     if seed.get("fits") and seed.get("peak_gib") is not None and limit:
         per_frame = (seed["peak_gib"] - seed["resident_gib"]) / seed["frames"]
         guess = int((limit - seed["resident_gib"]) / per_frame)
+    step = min(a.frame_step, max(1, guess // 8))  # short limits get finer steps
     guess = max(step, min(a.max_frames, guess // step * step))
     while len(probes) < a.probes + 1 and not runner.out_of_time():
         if hi is None:
@@ -441,6 +442,9 @@ def main() -> None:
     parser.add_argument("--longest", action="store_true", help="search the longest sequences")
     parser.add_argument("--memory-limit-gib", type=float, help="cap of every probe (longest)")
     parser.add_argument("--seed-frames", type=int, default=3)
+    parser.add_argument(
+        "--seed-from", type=Path, help="a table's JSON whose peaks predict the longest search"
+    )
     parser.add_argument("--frame-step", type=int, default=4)
     parser.add_argument("--max-frames", type=int, default=400)
     parser.add_argument("--probes", type=int, default=4, help="probes per search after the seed")
@@ -477,11 +481,15 @@ def main() -> None:
         result["table"] = rows
         print_table(rows)
     if args.longest:
+        seeds = rows
+        if args.seed_from is not None:  # a table written before, at its own frame count
+            earlier = json.loads(args.seed_from.read_text())
+            seeds = [{**r, "frames": earlier["frames"]} for r in earlier.get("table", [])]
         searches = []
         for variant in LONGEST:
-            seed = next((r for r in rows if r["variant"] == variant), None)
+            seed = next((r for r in seeds if r["variant"] == variant), None)
             if seed is not None:
-                seed = {**seed, "frames": args.frames, "fits": True}
+                seed = {"frames": args.frames, **seed, "fits": True}
             searches.append(longest(runner, variant, seed))
             found = searches[-1]
             note = " (cap)" if found["capped"] else ""
