@@ -7,7 +7,8 @@ saves (for a compiled block, the saved tensors of its compiled autograd function
 
 Kept on the device: parameters and views of parameters (resident anyway; under FSDP their
 storage is freed and regathered), tensor subclasses (DTensor, fp8), tensors below ``min_bytes``,
-and tensors whose host copy would take the offloader past ``max_pinned_bytes``. A tensor saved
+expanded views (they would move more bytes than they hold), and tensors whose host copy would
+take the offloader past ``max_pinned_bytes``. A tensor saved
 again in the same forward (an input every block receives, like text embeddings) is copied once.
 
 On CUDA nothing waits on the host; the compute stream waits only on events:
@@ -190,9 +191,12 @@ class ActivationOffloader:
         # rules; views of parameters (a Linear saves weight.t()) stay too.
         if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter):
             return True
-        if t.device.type not in ("cuda", "cpu") or t.untyped_storage().nbytes() == 0:
+        storage = t.untyped_storage().nbytes()
+        if t.device.type not in ("cuda", "cpu") or storage == 0:
             return True
-        return t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes
+        nbytes = t.numel() * t.element_size()
+        # Expanded (overlapping) views would move more bytes than they hold.
+        return t.numel() == 0 or nbytes < self.min_bytes or nbytes > storage
 
     def _pack(self, t: torch.Tensor, group: _Group) -> Any:
         nbytes = t.numel() * t.element_size()
@@ -313,6 +317,7 @@ class ActivationOffloader:
             with torch.cuda.stream(h2d):
                 for saved, back in zip(todo, backs, strict=True):
                     back.copy_(saved.host, non_blocking=True)
+                    back.record_stream(h2d)  # freed unused (no backward), it waits for the copy
             done = h2d.record_event()
             for saved, back in zip(todo, backs, strict=True):
                 saved.back, saved.back_event = back, done
