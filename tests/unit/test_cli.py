@@ -375,3 +375,12 @@ def test_plan_numbers(tmp_path):
     plan = derive_plan(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
     assert (plan.world_size, plan.dp_size, plan.micro_batch) == (4, 4, 1)
     assert plan.strategy == "ddp" and plan.device == "cpu"
+
+
+def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
+    prefix = "optimization.memory.activation_checkpoint"
+    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    assert plan.memory == "off"

@@ -73,9 +73,12 @@ def test_defaults_of_every_field() -> None:
                 "activation_checkpoint": {
                     "enabled": False,
                     "selective_ratio": 1.0,
+                    "memory_budget_gib": None,
+                    "memory_budget_fraction": 0.9,
                     "target_paths": [],
                     "policy": "block",
                     "memory_budget": 0.5,
+                    "inside_compile": True,
                 },
                 "activation_offload": False,
             },

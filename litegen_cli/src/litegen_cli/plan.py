@@ -26,6 +26,7 @@ class RunPlan:
     micro_batch: int
     strategy: str
     device: str
+    memory: str = "off"  # activation checkpointing and offload, in words
 
 
 def _get(section: Any, name: str, default: Any) -> Any:
@@ -75,6 +76,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
 
     device = _get(_get(cfg, "runtime", None), "device", None)
     return RunPlan(
+        memory=_memory(_get(_get(cfg, "optimization", None), "memory", None)),
         world_size=world,
         dp_size=dp,
         grad_accum_steps=accum,
@@ -83,3 +85,26 @@ def derive_plan(recipe: Recipe) -> RunPlan:
         strategy=str(_get(parallel, "strategy", "ddp")),
         device=str(device) if device else AUTO_DEVICE,
     )
+
+
+def _memory(memory: Any) -> str:
+    """Activation checkpointing and offload as the plan table shows them."""
+    ac = _get(memory, "activation_checkpoint", None)
+    parts = []
+    if _get(ac, "enabled", False):
+        ratio = _get(ac, "selective_ratio", 1.0)
+        if ratio == "auto":
+            budget = _get(ac, "memory_budget_gib", None)
+            within = (
+                f"{budget} GiB"
+                if budget is not None
+                else f"{_get(ac, 'memory_budget_fraction', 0.9):.0%} of device memory"
+            )
+            parts.append(f"checkpointing auto within {within}: chosen on the first step")
+        else:
+            parts.append(
+                f"checkpointing selective_ratio {ratio}, policy {_get(ac, 'policy', 'block')}"
+            )
+    if _get(memory, "activation_offload", False):
+        parts.append("activation offload")
+    return "; ".join(parts) or "off"

@@ -59,6 +59,7 @@ def plan_table(plan: RunPlan) -> Table:
         ("per-rank micro batch", f"{plan.micro_batch} (global / (dp * grad_accum))"),
         ("strategy", plan.strategy),
         ("device", plan.device),
+        ("memory", plan.memory),
     ]
     for name, value in rows:
         table.add_row(name, escape(value))

@@ -150,7 +150,19 @@ class ActivationCheckpointConfig(Section):
     """Activation checkpointing (``optimization.memory.activation_checkpoint``)."""
 
     enabled: bool = False
-    selective_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share left uncheckpointed")
+    selective_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        1.0, description="share left uncheckpointed; auto: the least that fits the budget"
+    )
+    """``auto`` measures the first training step (every candidate checkpointed) and, from the
+    second step, checkpoints the fewest blocks whose estimated peak fits ``memory_budget_gib``
+    (or ``memory_budget_fraction`` of the device), offloading only if ``activation_offload``
+    allows it and checkpointing alone does not fit."""
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="selective_ratio auto: peak device memory to fit, in GiB"
+    )
+    memory_budget_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="selective_ratio auto without memory_budget_gib"
+    )
     target_paths: list[str] = Field(default_factory=list)
     policy: Literal["block", "ops", "ops_lean", "memory_budget"] = "block"
     """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the
@@ -160,6 +172,36 @@ class ActivationCheckpointConfig(Section):
     memory_budget: float = Field(
         0.5, ge=0.0, le=1.0, description="policy memory_budget: 0 saves least, 1 as compile does"
     )
+    inside_compile: bool = True
+    """With ``optimization.compile``: ``true`` compiles each block with its checkpoint inside
+    (compile's partitioner plans the recompute; op-level policies need it), ``false``
+    checkpoints the compiled block from outside (as ``checkpoint_wrapper(compiled_block)``)."""
+
+    @model_validator(mode="after")
+    def _auto_rules(self) -> ActivationCheckpointConfig:
+        fields = type(self).model_fields
+        budget_fields = [
+            name
+            for name in ("memory_budget_fraction", "memory_budget_gib")
+            if getattr(self, name) != fields[name].default
+        ]
+        if self.selective_ratio != "auto" and budget_fields:
+            raise ValueError(
+                f"{', '.join(budget_fields)} sets the budget of selective_ratio: auto, "
+                f"and selective_ratio is {self.selective_ratio}; set selective_ratio: auto, or "
+                "remove the budget."
+            )
+        if self.selective_ratio == "auto" and self.policy != "block":
+            raise ValueError(
+                "selective_ratio: auto chooses how many blocks to checkpoint whole, and policy is "
+                f"{self.policy}; use policy: block with auto, or a number for selective_ratio."
+            )
+        if not self.inside_compile and self.policy in ("ops", "ops_lean"):
+            raise ValueError(
+                f"policy {self.policy} chooses ops inside the compiled block, which it sees only "
+                "with the checkpoint inside compile; set inside_compile: true, or policy: block."
+            )
+        return self
 
 
 class MemoryConfig(Section):
@@ -169,6 +211,10 @@ class MemoryConfig(Section):
         default_factory=ActivationCheckpointConfig
     )
     activation_offload: bool = False
+    """Offload the saved activations of the candidate blocks to pinned host memory:
+    checkpointed blocks' inputs, everything other blocks save (the last block keeps its own).
+    Needs no checkpointing; with ``selective_ratio: auto`` it lets the planner offload when
+    checkpointing alone cannot meet the budget."""
 
 
 class KernelsConfig(Section):

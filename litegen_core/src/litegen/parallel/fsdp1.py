@@ -1,6 +1,6 @@
 """FSDP1: ``FullyShardedDataParallel`` around each repeated block and around the root.
 
-Each detected block (``memory.blocks.repeated_blocks``) becomes one flat-parameter unit; the
+Each detected block (``litegen.blocks.repeated_blocks``) becomes one flat-parameter unit; the
 root unit owns the rest (embeddings, final layers). ``use_orig_params=True`` keeps the user's
 parameter objects and names visible, so optimizers rebind by name, LR schedulers keep working,
 and torch's state-dict API returns clean names (no ``_fsdp_wrapped_module``).

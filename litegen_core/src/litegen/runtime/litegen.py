@@ -170,7 +170,10 @@ class LiteGen(CheckpointAPI):
                 template = copy.deepcopy(model)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(
-                model, optimization.memory, candidates=strategy.checkpoint_candidates(model)
+                model,
+                optimization.memory,
+                candidates=strategy.checkpoint_candidates(model),
+                device=self.device,
             )
             if memory.memory_budget is not None and not optimization.compile.enabled:
                 raise ValueError(
@@ -178,10 +181,10 @@ class LiteGen(CheckpointAPI):
                     "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
                     "or use policy ops (or block) without compile."
                 )
-            if optimization.memory.activation_checkpoint.enabled:
+            if memory.candidates or memory.memory_budget is not None:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
-                # After checkpointing (each compiled block holds its checkpoint) and before the
+                # After checkpointing (compiled inside each block's BlockForward) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
 
