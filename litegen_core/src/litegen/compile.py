@@ -32,6 +32,13 @@ call too, with its forward (:func:`_backward_compiled_in_this_call`).
 :class:`litegen.kernels.packed_qkv.PackQkvAttention`, again only around each call of a compiled
 block, so that FA4's backward writes the gradient of a block's packed qkv tensor in one buffer.
 
+``sequence_parallel`` (``optimization.parallel.sp_size > 1``): the sequence-parallel attention
+enters a torch-function mode inside each block (:mod:`litegen.parallel.sequence.attention`).
+Inside an activation checkpoint Dynamo counts that as a side effect to replay in the
+recomputation and breaks the graph; the mode's effect is already in the traced graph, which the
+compiled backward recomputes, so Dynamo is told not to replay it
+(``skip_fwd_side_effects_in_bwd_under_checkpoint``), again only around each call.
+
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
 activations to save and which to recompute. Below 1 it solves a knapsack over the block's ops:
@@ -71,6 +78,9 @@ from litegen.memory.blocks import repeated_blocks
 
 log = logging.getLogger("litegen")
 
+# Dynamo's switch for side effects in checkpointed code (module docstring, sequence_parallel).
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
 
 class _CompiledForward:
     """Marks a compiled ``forward`` so a second ``prepare`` never compiles a block twice."""
@@ -85,6 +95,7 @@ class _CompiledForward:
         choices: Any = None,
         cache_key_slot_free: bool = True,
         pre_grad_pass: CustomGraphPass | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
@@ -96,6 +107,7 @@ class _CompiledForward:
         # Whether torch.compile's options leave inductor's post-grad pass slot to LiteGen.
         self.cache_key_slot_free = cache_key_slot_free
         self.pre_grad_pass = pre_grad_pass  # LiteGen's rewrite of the blocks' graphs, or None
+        self.sequence_parallel = sequence_parallel
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -105,6 +117,8 @@ class _CompiledForward:
         with ExitStack() as settings:
             if self.is_block and DistributedDataParallel._get_active_ddp_module() is not None:
                 settings.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+            if self.sequence_parallel and hasattr(torch._dynamo.config, _SKIP_REPLAY):
+                settings.enter_context(torch._dynamo.config.patch(**{_SKIP_REPLAY: True}))
             if self.memory_budget is not None:
                 budget = {"activation_memory_budget": self.memory_budget}
                 settings.enter_context(torch._functorch.config.patch(**budget))
@@ -210,6 +224,7 @@ def compile_blocks(
     backend: str | Callable | None = None,
     memory_budget: float | None = None,
     pack_qkv: bool = False,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
@@ -221,6 +236,7 @@ def compile_blocks(
     (module docstring); ``None`` leaves compile's default. ``pack_qkv`` (for runs whose attention
     is FA4) hands FA4 the packed qkv tensor of each block's attention
     (:mod:`litegen.kernels.packed_qkv`), unless inductor's options hold a pre-grad pass already.
+    ``sequence_parallel``: the blocks hold sequence-parallel attention (module docstring).
 
     Example:
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
@@ -292,6 +308,7 @@ def compile_blocks(
             choices=choices,
             cache_key_slot_free="post_grad_custom_post_pass" not in kwargs.get("options", {}),
             pre_grad_pass=pre_grad_pass,
+            sequence_parallel=sequence_parallel,
         )
         done.append(path)
     return done
