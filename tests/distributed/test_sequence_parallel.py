@@ -25,11 +25,17 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from tests.distributed.harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from real_models import REAL_MODELS, LatentShape
+
+from litegen.parallel.sequence import SequencePlan, Split
+from litegen.parallel.sequence.plans import BUILTIN
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +67,90 @@ def batch_of(name: str, heads: int, batch_size: int, seed: int = 1) -> dict:
     spec = REAL_MODELS[name]
     config = spec.config("tiny") | config_of(name, heads)
     return spec.batch("tiny", batch_size, seed, SHAPES.get(name), config)
+
+
+class Attention(nn.Module):
+    """Self-attention over all tokens, with a mask of the valid keys of the whole sequence."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x), valid)
+        return x + self.mlp(x)
+
+
+class CustomDiT(nn.Module):
+    """A model of the user's, with the plan it declares (docs/sequence_parallel.md)."""
+
+    litegen_sp_plan = SequencePlan(
+        split_inputs={"blocks.0": {"x": 1}},
+        gather_outputs={"head": 1},
+        attention={"blocks.*.attn": "self"},
+    )
+
+    def __init__(self, heads: int = 2, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(2))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, valid)
+        return self.head(x)
+
+
+def custom_cases() -> dict:
+    """The custom model at sp = 2 (7 tokens, the last 2 of one sample masked), its run with
+    sequence parallelism off on one rank, and the error for heads that do not divide."""
+    from litegen.parallel.sequence import sequence_parallel_off
+
+    tokens = torch.randn(2, 7, 4, generator=torch.Generator().manual_seed(3))
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    reference = CustomDiT()
+    expected = reference(tokens, valid).pow(2).mean()
+    expected.backward()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        gen = gen_for(tmp, 2)
+        model = gen.prepare(CustomDiT())
+        loss = model(tokens, valid).pow(2).mean()
+        loss.backward()
+        grads = {n: p.grad for n, p in gen.unwrap(model).named_parameters()}
+        out["step"] = {
+            "loss": (loss.item(), expected.item()),
+            "grads": {n: (grads[n], p.grad) for n, p in reference.named_parameters()},
+        }
+        if dist.get_rank() == 0:  # alone: a collective here would wait for rank 1 forever
+            with torch.no_grad(), sequence_parallel_off(model):
+                out["off"] = (model.module(tokens, valid), reference(tokens, valid).detach())
+        try:
+            gen.prepare(CustomDiT(heads=4, dim=12))  # 4 heads at sp = 2 divide; 3 do not
+            gen.prepare(CustomDiT(heads=3, dim=12))
+        except ValueError as err:
+            out["error"] = str(err)
+    return out
 
 
 # -- inside the ranks ---------------------------------------------------------------------------
@@ -154,8 +244,38 @@ def compiled(tmp: str, sp: int) -> dict:
     return result
 
 
+def collectives() -> dict:
+    """The all-to-alls and the gather against their definitions, forward and backward."""
+    from litegen.parallel.sequence.comm import gather, heads_to_seq, seq_to_heads
+
+    group, n, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    whole = torch.randn(2, 4, 6, 3, generator=torch.Generator().manual_seed(0))  # (B, H, S, D)
+    mine = whole.chunk(n, dim=2)[rank].clone().requires_grad_()
+    heads = seq_to_heads(mine, group)
+    upstream = torch.randn(heads.shape, generator=torch.Generator().manual_seed(1 + rank))
+    heads.backward(upstream)
+    # Every rank's upstream gradient, to compute the adjoint by hand.
+    upstreams = [
+        torch.randn(heads.shape, generator=torch.Generator().manual_seed(1 + r)) for r in range(n)
+    ]
+    gathered_x = mine.detach().clone().requires_grad_()
+    gathered = gather(gathered_x, 2, group)
+    gathered.backward(whole * (rank + 1))
+    return {
+        "to heads": (heads.detach(), whole.chunk(n, dim=1)[rank]),
+        "round trip": (heads_to_seq(heads.detach(), group), mine.detach()),
+        # The backward of seq_to_heads sends each rank's gradient back to the tokens' owner.
+        "to heads backward": (mine.grad, torch.cat(upstreams, dim=1).chunk(n, dim=2)[rank]),
+        "gather": (gathered.detach(), whole),
+        # The backward of a gather sums every rank's gradient of this rank's part.
+        "gather backward": (gathered_x.grad, sum(range(1, n + 1)) * whole.chunk(n, dim=2)[rank]),
+    }
+
+
 def two_ranks(tmp: str) -> dict:
     out = {f"sp2/{name}": one_step(name, 2) for name in MODELS}
+    out["collectives"] = collectives()
+    out["custom"] = custom_cases()
     offload = {"memory": CHECKPOINT | {"activation_offload": True}}
     # sp = 1 (dp = 2) straight, and sp = 2 (dp = 1) stopped at step 2 then resumed at sp = 1.
     out["dp2"] = train(f"{tmp}/dp2", 1, trainer={"checkpoint_every": 2})
@@ -249,3 +369,56 @@ def test_dp_times_sp_equals_dp_only(four, run):
 def test_ema_under_dp_times_sp_equals_dp_only(four):
     for name, value in four[0]["dp4"]["ema"].items():
         torch.testing.assert_close(four[0]["fsdp2 2x2"]["ema"][name], value, **TOLERANCE)
+
+
+def test_collectives_match_their_definitions(two):
+    for rank in two:
+        for name, (value, expected) in rank["collectives"].items():
+            torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_custom_plan_with_a_key_mask_and_padding_equals_one_process(two):
+    for rank in two:
+        assert_same_step(rank["custom"]["step"])
+
+
+def test_sequence_parallel_off_runs_whole_sequences_on_one_rank(two):
+    value, expected = two[0]["custom"]["off"]
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_heads_that_do_not_divide_are_an_error_at_prepare(two):
+    message = two[0]["custom"]["error"]
+    assert "sp_size=2 must divide the attention heads of CustomDiT" in message
+    assert "blocks.0.attn has 3" in message
+
+
+def test_builtin_plans_split_what_diffusers_context_parallel_plans_split():
+    """Wan and LTX-Video carry diffusers' own plans: the video-token entries must agree (the
+    text stays whole in LiteGen's, see litegen.parallel.sequence.plans)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    for cls, text in (
+        (diffusers.WanTransformer3DModel, set()),
+        (diffusers.LTXVideoTransformer3DModel, {"encoder_hidden_states", "encoder_attention_mask"}),
+    ):
+        ours = BUILTIN[cls.__name__](None)
+        theirs: dict[tuple[str, str | int], int] = {}
+        gathers: dict[str, int] = {}
+        for path, entry in cls._cp_plan.items():
+            if isinstance(entry, ContextParallelOutput):
+                gathers[path] = entry.gather_dim
+                continue
+            for key, split in entry.items():
+                assert isinstance(split, ContextParallelInput)
+                if key not in text and split.expected_dims != 2:  # 2-D: a per-token timestep
+                    theirs[(path, key)] = split.split_dim
+        mine = {
+            (path, key): Split(spec).dim if isinstance(spec, int) else spec.dim
+            for table in (ours.split_inputs, ours.split_outputs)
+            for path, entries in table.items()
+            for key, spec in entries.items()
+            if not (isinstance(spec, Split) and spec.ndim == 2)
+        }
+        assert mine == theirs, cls.__name__
+        assert dict(ours.gather_outputs) == gathers, cls.__name__

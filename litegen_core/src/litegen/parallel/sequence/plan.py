@@ -15,8 +15,9 @@ Example (a DiT whose blocks take ``x`` and whose ``head`` produces the output)::
         )
 
 A model gets its plan from, in order: a plan registered for its class
-(:func:`register_sequence_plan`), its ``litegen_sp_plan`` attribute (a plan, or a function of
-the model returning one), LiteGen's built-in plans (:mod:`litegen.parallel.sequence.plans`).
+(:func:`register_sequence_plan`), its ``litegen_sp_plan`` attribute (a plan, or a method
+returning one, for plans that depend on the model's configuration), LiteGen's built-in plans
+(:mod:`litegen.parallel.sequence.plans`).
 """
 
 from __future__ import annotations
@@ -159,7 +160,12 @@ def plan_for(model: nn.Module) -> SequencePlan:
             "attention=...)) or call litegen.parallel.sequence.register_sequence_plan "
             "(docs/sequence_parallel.md)."
         )
-    plan = source if isinstance(source, SequencePlan) else source(model)
+    if isinstance(source, SequencePlan):
+        plan = source
+    elif getattr(source, "__self__", None) is model:  # a method: def litegen_sp_plan(self)
+        plan = source()
+    else:
+        plan = source(model)
     plan.check(model)
     return plan
 
