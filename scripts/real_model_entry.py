@@ -66,9 +66,16 @@ def build(config):
     )
     model = spec.build(size, seed=config.global_seed)
     model.tokens_per_sample = tokens_per_sample(spec.config(size), shape)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
     batch = spec.batch(size, settings.get("samples", 16), config.global_seed, shape)
-    return {"model": model, "optimizer": optimizer, "dataset": SyntheticSamples(batch), "spec": spec}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "dataset": SyntheticSamples(batch),
+        "spec": spec,
+    }
 
 
 def train_step(batch, model, spec):
