@@ -17,6 +17,7 @@ on the returned results one property at a time.
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import tempfile
@@ -143,8 +144,9 @@ def custom_cases() -> dict:
             "grads": {n: (grads[n], p.grad) for n, p in reference.named_parameters()},
         }
         if dist.get_rank() == 0:  # alone: a collective here would wait for rank 1 forever
-            with torch.no_grad(), sequence_parallel_off(model):
-                out["off"] = (model.module(tokens, valid), reference(tokens, valid).detach())
+            sampler = copy.deepcopy(gen.unwrap(model))  # say, for sampling on one rank
+            with torch.no_grad(), sequence_parallel_off(sampler):
+                out["off"] = (sampler(tokens, valid), reference(tokens, valid).detach())
         try:
             gen.prepare(CustomDiT(heads=4, dim=12))  # 4 heads at sp = 2 divide; 3 do not
             gen.prepare(CustomDiT(heads=3, dim=12))
@@ -382,7 +384,7 @@ def test_custom_plan_with_a_key_mask_and_padding_equals_one_process(two):
         assert_same_step(rank["custom"]["step"])
 
 
-def test_sequence_parallel_off_runs_whole_sequences_on_one_rank(two):
+def test_a_copy_runs_whole_sequences_on_one_rank_with_sequence_parallel_off(two):
     value, expected = two[0]["custom"]["off"]
     torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-7)
 

@@ -3,7 +3,8 @@ attention inside.
 
 The split and the gather are module hooks, so they run outside the blocks' activation
 checkpoints and compiled regions (which patch the blocks' ``forward``); a checkpointed block
-saves only its shard. The attention modules' ``forward`` is wrapped (attention.py).
+saves only its shard. The planned attention modules get a subclass whose ``forward`` makes
+their attention Ulysses (attention.py).
 
 The sequence's length is known when its first tensor is split, in each forward, and the
 attention calls read it (:class:`SequenceLayout`). Checkpointed blocks run their forward
@@ -28,12 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.parallel.sequence.attention import sharded_attention_class
+from litegen.parallel.sequence.attention import STATE, sharded_attention_class
 from litegen.parallel.sequence.comm import gather, padded_length, shard
 from litegen.parallel.sequence.plan import SequencePlan, Split, as_split, matching
-
-# model -> its SequenceParallel, for sequence_parallel_off
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, SequenceParallel] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -68,9 +66,9 @@ class SequenceParallel:
     def current_layout(self, where: nn.Module | str) -> SequenceLayout:
         if self.layout is None:
             raise ValueError(
-                f"sequence parallelism: {self.path_of(where)} of {self.name} ran before its plan split any "
-                "sequence in this forward; the plan must split the tokens before the first "
-                "planned attention module (split_inputs / split_outputs)."
+                f"sequence parallelism: {self.path_of(where)} of {self.name} ran before its "
+                "plan split any sequence in this forward; the plan must split the tokens before "
+                "the first planned attention module (split_inputs / split_outputs)."
             )
         return self.layout
 
@@ -104,6 +102,8 @@ class SequenceParallel:
     def gather(self, value: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """The whole sequence from every rank's shard, padding removed."""
         layout = self.current_layout(where)
+        if isinstance(value, torch.Tensor):
+            dim %= value.dim()
         if not isinstance(value, torch.Tensor) or value.shape[dim] != layout.local:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
             raise ValueError(
@@ -174,7 +174,6 @@ def apply_sequence_parallel(
             classes[key] = sharded_attention_class(type(module), sp, layout)
         module.__class__ = classes[key]
         sp.paths[module] = path
-    _APPLIED[model] = sp
     return sp
 
 
@@ -238,16 +237,15 @@ def sequence_parallel_off(model: nn.Module) -> Iterator[None]:
         ...     with sequence_parallel_off(gen.unwrap(model)):
         ...         video = sample(model, prompt)
     """
-    inner = getattr(model, "module", None)  # DDP's wrapper holds the model
-    sp = _APPLIED.get(model) or (_APPLIED.get(inner) if isinstance(inner, nn.Module) else None)
-    if sp is None:
-        yield
-        return
-    sp.enabled = False
+    # The state sits on the attention modules' classes, so wrappers and copies find it too.
+    states = {id(s): s for m in model.modules() if (s := getattr(type(m), STATE, None))}
+    for sp in states.values():
+        sp.enabled = False
     try:
         yield
     finally:
-        sp.enabled = True
+        for sp in states.values():
+            sp.enabled = True
 
 
 __all__ = ["SequenceLayout", "SequenceParallel", "apply_sequence_parallel", "sequence_parallel_off"]

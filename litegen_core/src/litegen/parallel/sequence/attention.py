@@ -84,7 +84,11 @@ def sharded_attention_class(cls: type[nn.Module], sp: SequenceParallel, layout: 
             )
         return out
 
-    return type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward})
+    return type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward, STATE: sp})
+
+
+# The class attribute of :func:`sharded_attention_class`'s classes that holds their state.
+STATE = "litegen_sequence_parallel"
 
 
 def _sdpa_arguments(
@@ -94,7 +98,12 @@ def _sdpa_arguments(
 
 
 def ulysses_attention(
-    sdpa: Callable, sp: SequenceParallel, layout: str, module: nn.Module, *args: Any, **kwargs: Any
+    sdpa: Callable,
+    sp: SequenceParallel,
+    layout: str,
+    module: nn.Module,
+    *args: Any,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """``sdpa(*args, **kwargs)`` for the split tokens of ``sp``'s current sequence (module doc),
     called inside the attention ``module``.
@@ -112,31 +121,32 @@ def ulysses_attention(
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4 or t.shape[1] % n:
             raise ValueError(
-                f"sequence parallelism: {sp.path_of(module)} calls attention with a {name} of shape "
-                f"{tuple(t.shape)}; Ulysses needs (batch, heads, tokens, head_dim) with the heads "
-                f"divisible by optimization.parallel.sp_size={n}."
+                f"sequence parallelism: {sp.path_of(module)} calls attention with a {name} of "
+                f"shape {tuple(t.shape)}; Ulysses needs (batch, heads, tokens, head_dim) with "
+                f"the heads divisible by optimization.parallel.sp_size={n}."
             )
     length = query.shape[-2]
     text = 0 if layout == "self" else length - seq.local
     if key.shape[-2] != length or value.shape[-2] != length or text < 0:
         raise ValueError(
-            f"sequence parallelism: {sp.path_of(module)} is planned as {layout!r} attention over this rank's "
-            f"{seq.local} split tokens, but its query, key and value have "
+            f"sequence parallelism: {sp.path_of(module)} is planned as {layout!r} attention "
+            f"over this rank's {seq.local} split tokens, but its query, key and value have "
             f"{length}, {key.shape[-2]} and {value.shape[-2]} tokens; fix the plan's attention "
             "entry (cross-attention to whole text needs none)."
         )
-    video_at = text if layout == "text_first" else 0
-    text_at = 0 if layout == "text_first" else seq.local
+    text_first = layout == "text_first"
+    # Where the split tokens start, in this call's sequence and in the attention's below.
+    video_at = text if text_first else 0
     parts = (query, key, value)
 
     video = _seq_to_heads([t.narrow(2, video_at, seq.local) for t in parts], sp)
     if seq.padded != seq.length:
         video = [t.narrow(2, 0, seq.length) for t in video]
     if text:
-        texts = [t.narrow(2, text_at, text) for t in parts]
-        texts = [t.narrow(1, rank * (t.shape[1] // n), t.shape[1] // n) for t in texts]
-        order = (lambda t, v: (t, v)) if layout == "text_first" else (lambda t, v: (v, t))
-        q, k, v = (torch.cat(order(t, v), dim=2) for t, v in zip(texts, video, strict=True))
+        text_at = 0 if text_first else seq.local
+        texts = [_own_heads(t.narrow(2, text_at, text), rank, n) for t in parts]
+        pairs = [(t, v) if text_first else (v, t) for t, v in zip(texts, video, strict=True)]
+        q, k, v = (torch.cat(pair, dim=2) for pair in pairs)
     else:
         q, k, v = video
     mask = _local_mask(mask, q.shape[1], text + seq.length, rank, sp, module)
@@ -149,10 +159,15 @@ def ulysses_attention(
     out_video = heads_to_seq(out_video, sp.group)
     if not text:
         return out_video
-    text_out_at = 0 if layout == "text_first" else seq.length
-    out_text = gather(out.narrow(2, text_out_at, text), 1, sp.group)
-    pieces = (out_text, out_video) if layout == "text_first" else (out_video, out_text)
+    out_text = gather(out.narrow(2, 0 if text_first else seq.length, text), 1, sp.group)
+    pieces = (out_text, out_video) if text_first else (out_video, out_text)
     return torch.cat(pieces, dim=2)
+
+
+def _own_heads(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """This rank's head group of a (batch, heads, tokens, dim) tensor that every rank holds."""
+    heads = x.shape[1] // n
+    return x.narrow(1, rank * heads, heads)
 
 
 def _seq_to_heads(parts: list[torch.Tensor], sp: SequenceParallel) -> list[torch.Tensor]:
@@ -189,4 +204,4 @@ def _local_mask(
     return mask
 
 
-__all__ = ["sharded_attention_class", "ulysses_attention"]
+__all__ = ["STATE", "sharded_attention_class", "ulysses_attention"]
