@@ -8,7 +8,8 @@
 - Training through the real loop equals sp = 1 (dp only) on the same ranks: ddp with
   activation checkpointing and offload, zero1, zero2 with selective checkpointing (policy ops),
   compile of checkpointed blocks (aot_eager: one graph, no graph break), and
-  dp x sp = 2 x 2 under fsdp2 (with checkpointing and EMA) and hsdp (two simulated nodes).
+  dp x sp = 2 x 2 under fsdp2 (with checkpointing and EMA) and hsdp (two simulated nodes), with
+  gradient clipping.
 - Resume across sp: a run checkpoint of sp = 2 continues at sp = 1, and the reverse.
 - The collectives against their definitions (forward and adjoint), a copy of a prepared model
   run on one rank with sequence parallelism off, and the error for heads that do not divide.
@@ -302,10 +303,13 @@ def two_ranks(tmp: str) -> dict:
 
 def four_ranks(tmp: str) -> dict:
     out = {f"sp4/{name}": one_step(name, 4) for name in MODELS}
+    # Gradient clipping on (the norm is of the averaged gradients, so it must match too).
+    common = {"trainer": {"max_grad_norm": 0.5}}
     ema = {"ema": {"enable": True, "decay": 0.9}}
-    out["dp4"] = train(f"{tmp}/dp4", 1, **ema)
-    out["fsdp2 2x2"] = train(f"{tmp}/fsdp2", 2, "fsdp2", optimization={"memory": CHECKPOINT}, **ema)
-    out["hsdp 2x2"] = train(f"{tmp}/hsdp", 2, "hsdp")
+    out["dp4"] = train(f"{tmp}/dp4", 1, **common, **ema)
+    checkpointed = {"optimization": {"memory": CHECKPOINT}}
+    out["fsdp2 2x2"] = train(f"{tmp}/fsdp2", 2, "fsdp2", **checkpointed, **common, **ema)
+    out["hsdp 2x2"] = train(f"{tmp}/hsdp", 2, "hsdp", **common)
     return out
 
 
