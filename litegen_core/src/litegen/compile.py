@@ -29,9 +29,10 @@ resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on
 variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
 eagerly: use it only for fixed shapes.
 
-``block_context``: a context entered around every call of a compiled block (where its graphs
+``block_contexts``: contexts entered around every call of a compiled block (where its graphs
 compile on the first call and on recompiles), for settings that must reach only LiteGen's blocks;
-the experimental kernels (:mod:`litegen.experimental`) use it.
+sequence parallelism (:func:`litegen.parallel.sequence.compile_context`) and the experimental
+kernels (:mod:`litegen.experimental`) use it.
 
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
@@ -84,7 +85,7 @@ class _CompiledForward:
         patched: bool,
         memory_budget: float | None = None,
         is_block: bool = True,
-        block_context: Callable[[], AbstractContextManager] | None = None,
+        block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
@@ -92,7 +93,7 @@ class _CompiledForward:
         self.memory_budget = memory_budget
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
-        self.block_context = block_context
+        self.block_contexts = tuple(block_contexts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -105,8 +106,8 @@ class _CompiledForward:
             if self.memory_budget is not None:
                 budget = {"activation_memory_budget": self.memory_budget}
                 settings.enter_context(torch._functorch.config.patch(**budget))
-            if self.block_context is not None:
-                settings.enter_context(self.block_context())
+            for context in self.block_contexts:
+                settings.enter_context(context())
             return self.compiled(*args, **kwargs)
 
 
@@ -153,7 +154,7 @@ def compile_blocks(
     paths: Sequence[str] | None = None,
     backend: str | Callable | None = None,
     memory_budget: float | None = None,
-    block_context: Callable[[], AbstractContextManager] | None = None,
+    block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
@@ -162,7 +163,7 @@ def compile_blocks(
     model's ``forward`` when it has none).
     ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
     use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward
-    (module docstring); ``None`` leaves compile's default. ``block_context`` is entered around
+    (module docstring); ``None`` leaves compile's default. ``block_contexts`` are entered around
     every call of a compiled block (module docstring).
 
     Example:
@@ -217,7 +218,7 @@ def compile_blocks(
             patched,
             memory_budget,
             is_block=is_block,
-            block_context=block_context,
+            block_contexts=block_contexts,
         )
 
     done: list[str] = []

@@ -229,7 +229,7 @@ def persistent_rows_context(
     post-grad pass there turns the caches off instead.
 
     Example:
-        >>> compile_blocks(dit, compile_cfg, block_context=persistent_rows_context(2048))
+        >>> compile_blocks(dit, compile_cfg, block_contexts=[persistent_rows_context(2048)])
     """
     from torch._inductor.virtualized import V
 

@@ -65,6 +65,7 @@ class LiteGen(CheckpointAPI):
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
+        self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -91,12 +92,16 @@ class LiteGen(CheckpointAPI):
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
-        strategy = build_strategy(
-            ParallelPlan.build(
-                optimization.parallel.strategy, optimization.parallel, self.env, self.device
-            ),
-            optimization,
+        plan = ParallelPlan.build(
+            optimization.parallel.strategy, optimization.parallel, self.env, self.device
         )
+        if plan.sp_size != self.plan.sp_size:
+            raise ValueError(
+                f"optimization profile {profile!r} sets parallel.sp_size={plan.sp_size}, but the "
+                f"job's data loading was planned for sp_size={self.plan.sp_size}; use one "
+                "sp_size for every profile."
+            )
+        strategy = build_strategy(plan, optimization)
         results: list[Any] = list(objects)
         raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
         model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
@@ -168,6 +173,8 @@ class LiteGen(CheckpointAPI):
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
                 # holds weights and never runs forward.
                 template = copy.deepcopy(model)
+            if strategy.plan.sp_size > 1:
+                self._apply_sequence_parallel(model, strategy.plan)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(
                 model,
@@ -192,7 +199,7 @@ class LiteGen(CheckpointAPI):
                     model,
                     optimization.compile,
                     memory_budget=memory.memory_budget,
-                    block_context=lab.block_context() if lab is not None else None,
+                    block_contexts=self._compiled_block_contexts(strategy, lab),
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -200,6 +207,40 @@ class LiteGen(CheckpointAPI):
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
+        """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.
+
+        Its split and gather are hooks on module calls, which run outside the blocks' patched
+        ``forward`` (checkpoint, compile): a checkpointed block saves only its shard of the
+        sequence, and the collectives at the block boundaries stay out of compiled graphs. Its
+        attention wrappers sit inside the blocks, where recomputation and compile see them.
+        The plan names the user's module paths, before a wrapper renames them.
+        """
+        from litegen.parallel.mesh import sp_mesh
+        from litegen.parallel.sequence import apply_sequence_parallel, plan_for
+
+        if self._sp_group is None:
+            self._sp_group = sp_mesh(plan).get_group("sp")
+        apply_sequence_parallel(model, plan_for(model), self._sp_group)
+        log.info(
+            "%s: sequence parallel over %d ranks (data parallel over %d groups)",
+            type(model).__name__,
+            plan.sp_size,
+            plan.dp_size,
+        )
+
+    @staticmethod
+    def _compiled_block_contexts(strategy, lab) -> list[Any]:
+        """What each compiled block enters around its calls (``compile_blocks``)."""
+        contexts = []
+        if strategy.plan.sp_size > 1:
+            from litegen.parallel.sequence import compile_context
+
+            contexts.append(compile_context)
+        if lab is not None and (rows := lab.block_context()) is not None:
+            contexts.append(rows)
+        return contexts
 
     def _prepare_data(self, data: Any) -> Any:
         collate_fn = None
