@@ -126,7 +126,9 @@ class WanDataset(torch.utils.data.Dataset):
         return (self.latents[i], self.timesteps[i], self.texts[i]), self.targets[i]
 
 
-def wan_loss(model: nn.Module, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> torch.Tensor:
+def wan_loss(
+    model: nn.Module, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]
+) -> torch.Tensor:
     inputs, targets = batch
     out = model(*inputs, return_dict=False)[0]
     return nn.functional.mse_loss(out.float(), targets.float())

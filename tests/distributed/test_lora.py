@@ -105,7 +105,9 @@ def test_only_the_adapters_train_and_their_files_load_in_diffusers(ddp):
     # The EMA holds the adapters alone: a full FP32 replica of them is the most a rank keeps.
     assert ddp["ema_bytes"] <= 4 * ddp["adapter_numel"]
     torch.testing.assert_close(from_file(ddp["file"]), from_state(state), rtol=0, atol=1e-6)
-    torch.testing.assert_close(from_file(ddp["ema_file"]), from_state(ddp["ema"]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        from_file(ddp["ema_file"]), from_state(ddp["ema"]), rtol=0, atol=1e-6
+    )
     assert not torch.allclose(from_file(ddp["file"]), from_file(ddp["ema_file"]))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import platform
 
 import pytest
@@ -65,7 +66,7 @@ def hard_breaks(text: str, width: int) -> list[str]:
     break written in the help text rather than made by the renderer."""
     lines = [line.rstrip() for line in text.splitlines()]
     found = []
-    for line, following in zip(lines, lines[1:], strict=False):
+    for line, following in itertools.pairwise(lines):
         if not line.strip() or not following.strip() or line.lstrip().startswith(BOX):
             continue
         if following.lstrip().startswith(BOX):
