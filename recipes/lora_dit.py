@@ -72,24 +72,39 @@ def train_step(batch, model, config):
 
 
 def finish(gen, config):
-    """Rank 0 loads the EMA adapter file into a fresh model (base weights from init_from when
-    set) with diffusers' loader and draws one row of samples per digit."""
-    if not gen.is_main_process:
-        return
+    """Rank 0 draws one row of samples per digit: with LoRA, from a fresh model given the EMA
+    adapter file through diffusers' loader (on the init_from base when set); with
+    ``optimization.lora: null`` (training a base), from the full EMA weights."""
+    if config.optimization.lora is None:
+        state = gen.full_sampling_state()  # collective: every rank calls it
+        if not gen.is_main_process:
+            return
+        sampler = make_transformer(config)
+        sampler.load_state_dict(state)
+    else:
+        if not gen.is_main_process:
+            return
+        sampler = fine_tuned(config)
+    per_class = config.sampling.per_class
+    labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
+    forward = conditioned(sampler.eval(), class_tokens(config))
+    images = sample(forward, labels, config.sampling.steps, config.sampling.guidance, 0)
+    cells = images.clamp(-1, 1).reshape(NUM_CLASSES, per_class, 8, 8)
+    save_grid(cells, Path(config.get_results_dir()) / "samples.png")
+
+
+def fine_tuned(config) -> WanTransformer3DModel:
+    """A fresh model with the base weights (init_from, else the seeded initialisation) and the
+    run's adapter file (the EMA's when kept), loaded as ``pipe.load_lora_weights`` would."""
     folder = Path(config.get_checkpoint_dir())
     adapters = folder / f"{config.exp_name}.ema.lora.safetensors"
     if not adapters.is_file():  # ema.enable: false
         adapters = folder / f"{config.exp_name}.lora.safetensors"
-    sampler = make_transformer(config)
+    torch.manual_seed(config.global_seed)  # the base build(config) made, when not init_from
+    model = make_transformer(config)
     if config.init_from:
-        sampler.load_state_dict(load_state(config.init_from))
+        model.load_state_dict(load_state(config.init_from))
     state, metadata = WanLoraLoaderMixin.lora_state_dict(str(adapters), return_lora_metadata=True)
-    WanLoraLoaderMixin.load_lora_into_transformer(state, transformer=sampler, metadata=metadata)
-    sampler.eval()
-    per_class = config.sampling.per_class
-    labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-    forward = conditioned(sampler, class_tokens(config))
-    images = sample(forward, labels, config.sampling.steps, config.sampling.guidance, 0)
-    cells = images.clamp(-1, 1).reshape(NUM_CLASSES, per_class, 8, 8)
-    save_grid(cells, Path(config.get_results_dir()) / "samples.png")
+    WanLoraLoaderMixin.load_lora_into_transformer(state, transformer=model, metadata=metadata)
     print(f"adapters loaded through diffusers from {adapters}")
+    return model

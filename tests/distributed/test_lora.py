@@ -1,5 +1,6 @@
-"""LoRA on 2 gloo ranks: only the adapters train, every strategy matches DDP, and the adapter
-files (model and EMA) load into a fresh diffusers model through diffusers' own loader."""
+"""LoRA on 2 gloo ranks: only the adapters train, every strategy matches DDP, the adapter files
+(model and EMA) load into a fresh diffusers model through diffusers' own loader, and a run
+resumed from its run checkpoint equals an uninterrupted one."""
 
 import pytest
 import torch
@@ -119,3 +120,45 @@ def test_lora_under_sharding_strategies_equals_ddp(strategy, ddp, tmp_path):
     for name, value in got["state"].items():
         torch.testing.assert_close(value, ddp["state"][name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(from_file(got["file"]), from_file(ddp["file"]), rtol=1e-5, atol=1e-6)
+
+
+def train_loop(folder: str, steps: int, **trainer) -> dict:
+    """LoRA under fsdp2 through the real training loop, with run checkpoints in ``folder``."""
+    import litegen
+    from litegen.trainer import Trainer
+    from litegen.utils.config import MainConfig
+
+    config = MainConfig.from_dict(
+        {
+            "runtime": {"device": "cpu"},
+            "results_dir": folder,
+            "global_batch_size": 4,
+            "max_steps": steps,
+            "ema": {"enable": True, "decay": 0.5},
+            "optimization": {"parallel": {"strategy": "fsdp2"}, "lora": LORA},
+            "trainer": {"log_every": 1, "save_final": False, **trainer},
+        }
+    )
+    gen = litegen.initialize(config)
+    model = make_wan()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader = gen.prepare(model, optimizer, WanDataset())
+    parts = {"model": model, "optimizer": optimizer, "loader": loader}
+    losses = Trainer(gen, lambda batch, model: wan_loss(model, batch), parts).fit()
+    return {"losses": losses, "state": gen.full_model_state(model), "ema": gen.full_ema_state()}
+
+
+def stop_and_resume(folder: str) -> dict:
+    straight = train_loop(f"{folder}/a", STEPS)
+    first = train_loop(f"{folder}/b", STEPS // 2, checkpoint_every=STEPS // 2)
+    resumed = train_loop(f"{folder}/b", STEPS, resume_run=f"{folder}/b")
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def test_a_lora_run_resumes_from_its_run_checkpoint_exactly(tmp_path):
+    result = run_ranks(stop_and_resume, 2, str(tmp_path))[0]
+    straight, first, resumed = result["straight"], result["first"], result["resumed"]
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    for key in ("state", "ema"):
+        for name, value in straight[key].items():
+            assert torch.equal(value, resumed[key][name]), (key, name)

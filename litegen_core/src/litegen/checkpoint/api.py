@@ -1,7 +1,8 @@
 """The checkpoint half of the LiteGen object: single files, DCP folders, loads and resume.
 
 Mixed into :class:`litegen.runtime.litegen.LiteGen`, whose ``config``, ``ema``,
-``is_main_process``, ``models`` and ``_entry`` (the prepared model a call refers to) it uses.
+``is_main_process``, ``models``, ``lora_prefix`` and ``_entry`` (the prepared model a call
+refers to) it uses.
 
     gen.save_model(step=1000)                      # <checkpoint_dir>/<exp_name>_step1000.pth
     gen.save_model_state("ckpt/1000", optimizer=optimizer, ema=True)   # sharded, reshards
@@ -60,14 +61,10 @@ class CheckpointAPI:
         dist.barrier()
         return path
 
-    def _lora_prefix(self) -> str:
-        lora_cfg = self.config.optimization.lora
-        return lora_cfg.prefix if lora_cfg is not None else "transformer"
-
     def _write_adapters(self, entry: PreparedModel, state: dict, path: Path) -> Path:
         """Write the LoRA adapters of ``state`` (full values) in diffusers' layout."""
         module = entry.strategy.unwrap(entry.module)
-        tensors, metadata = adapter_file_state(module, state, self._lora_prefix())
+        tensors, metadata = adapter_file_state(module, state, self.lora_prefix)
         return self._write(tensors, path, metadata)
 
     def save_model(
@@ -235,7 +232,7 @@ class CheckpointAPI:
         state = load_state(path, what="model")
         if has_adapters(entry.module) and is_adapter_file(state):
             module = entry.strategy.unwrap(entry.module)
-            adapters = model_keyed(module, state, self._lora_prefix(), path)
+            adapters = model_keyed(module, state, self.lora_prefix, path)
             entry.strategy.load_full_model_state(entry.module, adapters, strict=False)
             return
         # The strategy's sharded state has every key at its global shape; the unwrapped module's
@@ -253,7 +250,7 @@ class CheckpointAPI:
         state = load_state(path, what="ema.resume_from")
         model = entry.strategy.unwrap(entry.module)
         if has_adapters(model) and is_adapter_file(state):
-            self.ema.load_state_dict(model_keyed(model, state, self._lora_prefix(), path))
+            self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
             return
         expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         check_model_state(expected, state, path)

@@ -66,6 +66,9 @@ class LiteGen(CheckpointAPI):
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
+        # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
+        lora = config.optimization.lora
+        self.lora_prefix = lora.prefix if lora is not None else "transformer"
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -151,6 +154,7 @@ class LiteGen(CheckpointAPI):
         target = next((m for m in raw_models if is_trainable(m)), None)
         if target is not None:
             apply_lora(target, optimization.lora)
+            self.lora_prefix = optimization.lora.prefix
 
     def _ema_target_pending(self) -> bool:
         """True while the model being prepared would be the one the EMA tracks."""
