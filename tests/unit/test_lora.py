@@ -72,8 +72,14 @@ def test_a_user_applied_peft_model_gets_no_second_adapter(tmp_path):
     assert keys[0] == "transformer.blocks.0.ada.lora_A.weight", keys[:2]  # no base_model.model.
 
 
-def test_resume_from_an_adapter_file_restores_adapters_and_optimizer(tmp_path):
-    gen = make_gen(tmp_path, global_batch_size=4, max_steps=3, optimization={"lora": LORA})
+def test_resume_from_adapter_files_restores_adapters_optimizer_and_ema(tmp_path):
+    gen = make_gen(
+        tmp_path,
+        global_batch_size=4,
+        max_steps=3,
+        optimization={"lora": LORA},
+        ema={"enable": True, "decay": 0.5},
+    )
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(12))
@@ -81,18 +87,29 @@ def test_resume_from_an_adapter_file_restores_adapters_and_optimizer(tmp_path):
         loss_fn(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
+        gen.update_ema()
     path = gen.save_model(step=3)
     gen.save_optimizer(step=3)
-    assert path.name == "exp_step3.lora.safetensors"
-    trained = gen.full_model_state(model)
+    ema_path = gen.save_ema(step=3)
+    assert (path.name, ema_path.name) == (
+        "exp_step3.lora.safetensors",
+        "exp_step3.ema.lora.safetensors",
+    )
+    trained, ema = gen.full_model_state(model), gen.full_ema_state()
 
-    resumed = make_gen(tmp_path, resume_from=str(path), optimization={"lora": LORA})
+    fields = {"resume_from": str(path), "ema": {"enable": True, "resume_from": str(ema_path)}}
+    resumed = make_gen(tmp_path, optimization={"lora": LORA}, **fields)
     model2 = make_model()
     optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     model2, optimizer2 = resumed.prepare(model2, optimizer2)
     for name, value in resumed.full_model_state(model2).items():
         torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
     assert len(optimizer2.state) == len(optimizer.state) > 0
+    for name, value in resumed.full_ema_state().items():
+        torch.testing.assert_close(value, ema[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(
+        ema["blocks.0.ada.lora_B.default.weight"], trained["blocks.0.ada.lora_B.default.weight"]
+    )
 
 
 def test_target_modules_that_match_nothing_name_the_field():

@@ -19,7 +19,7 @@ low-precision parameters. Gathering (``state_dict``) and DCP resharding come fro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,9 +77,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _persistent_buffers(model: nn.Module):
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, buffer) of the buffers a state dict holds; non-persistent ones (RoPE tables) are
-    rebuilt by the model itself."""
+    rebuilt by the model itself.
+
+    Example:
+        >>> dict(persistent_buffers(nn.BatchNorm1d(4))).keys()
+        dict_keys(['running_mean', 'running_var', 'num_batches_tracked'])
+    """
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
@@ -95,7 +100,7 @@ class BufferMirror:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        named = list(_persistent_buffers(model))
+        named = list(persistent_buffers(model))
         self.copies = {name: b.detach().clone() for name, b in named}
         # Resolved once: walking the module tree at every update costs more than the copies.
         self._pairs = [(self.copies[name], b) for name, b in named]

@@ -28,6 +28,7 @@ from litegen.checkpoint.files import (
     save_state,
 )
 from litegen.checkpoint.run_state import Trainable
+from litegen.ema import persistent_buffers
 from litegen.lora import adapter_file_state, has_adapters, is_adapter_file, model_keyed
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ class CheckpointAPI:
         if has_adapters(model) and is_adapter_file(state):
             self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
             return
-        expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        expected = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
         check_model_state(expected, state, path)
         self.ema.load_state_dict(state)
 
