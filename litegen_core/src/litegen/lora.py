@@ -35,7 +35,8 @@ log = logging.getLogger("litegen")
 
 PEFT_MISSING = (
     "optimization.lora needs the 'peft' package: install LiteGen's 'lora' extra "
-    "(pip install 'litegen-core[lora]', or uv sync --extra lora), or pip install peft."
+    "(pip install 'litegen-core[lora]', or uv sync --all-packages --extra lora), or "
+    "pip install peft."
 )
 # diffusers' key for the LoRA config in a safetensors header (diffusers.loaders.lora_base).
 METADATA_KEY = "lora_adapter_metadata"
