@@ -88,6 +88,7 @@ def test_defaults_of_every_field() -> None:
                 "fused_gelu_mlp": False,
                 "master_adamw": False,
             },
+            "lora": None,
             "profiles": {},
         },
         "lr": 1.0e-4,

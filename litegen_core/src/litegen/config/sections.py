@@ -243,6 +243,27 @@ class ExperimentalConfig(Section):
     ``optimizer.fp32_master_weights`` and ``backend: fused``)."""
 
 
+class LoRAConfig(Section):
+    """LoRA adapters on the first trainable model, through peft (``optimization.lora``).
+
+    ``prepare`` injects them and freezes the rest of the model; ``null`` (the default) trains
+    the whole model. See docs/lora.md.
+    """
+
+    rank: int = Field(16, ge=1)
+    alpha: float | None = Field(None, gt=0, description="None: the rank (scale alpha/rank = 1)")
+    target_modules: list[str] | str = Field(min_length=1)
+    """Module names (or name suffixes, such as ``to_q``) to adapt, as peft's
+    ``LoraConfig.target_modules``; a string is a regular expression over the full names, or
+    ``all-linear``."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    prefix: str = Field(
+        "transformer", min_length=1, description="key prefix of the saved adapter file"
+    )
+    """The pipeline component the adapters belong to: diffusers' ``load_lora_weights`` reads
+    ``transformer.*`` keys into ``pipe.transformer`` (``unet`` for U-Nets)."""
+
+
 @functools.cache
 def profile_model(section: type[Section]) -> type[ProfileSection]:
     """Partial twin of ``section``: same fields and constraints, all optional.
@@ -295,6 +316,7 @@ class OptimizationConfig(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
+    lora: LoRAConfig | None = None
     profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
 
     @model_validator(mode="before")

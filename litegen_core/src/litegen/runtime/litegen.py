@@ -21,6 +21,7 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import build_dataloader
 from litegen.ema import EMA
+from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
@@ -66,6 +67,9 @@ class LiteGen(CheckpointAPI):
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
         self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
+        # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
+        lora = config.optimization.lora
+        self.lora_prefix = lora.prefix if lora is not None else "transformer"
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -105,7 +109,8 @@ class LiteGen(CheckpointAPI):
         results: list[Any] = list(objects)
         raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
         model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
-        fqns = [fqns_of(m) for m in raw_models]
+        if raw_models and not self.models and self.config.init_from:
+            self._load_into(raw_models[0], self.config.init_from, what="init_from")
         # Owners are found before wrapping: sharding strategies (fsdp2) replace the parameters
         # in place, so afterwards no model holds the optimizer's parameters any more.
         owners = {
@@ -113,10 +118,15 @@ class LiteGen(CheckpointAPI):
             for i, obj in enumerate(objects)
             if kinds[i] == "optimizer"
         }
+        self._adapt(raw_models, optimization)
+        for i, owner in owners.items():
+            if has_adapters(raw_models[owner]):
+                train_adapters(objects[i], raw_models[owner])
+        fqns = [fqns_of(m) for m in raw_models]  # after LoRA renamed the adapted weights
         lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model in zip(model_slots, raw_models, strict=True):
-            entry = self._prepare_model(model, strategy, optimization, lab, first=not self.models)
+            entry = self._prepare_model(model, strategy, optimization, lab)
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -138,6 +148,19 @@ class LiteGen(CheckpointAPI):
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
 
+    def _adapt(self, raw_models: list[nn.Module], optimization) -> None:
+        """``optimization.lora``: adapters on the job's first trainable model (litegen.lora).
+
+        Before checkpointing, compile and the strategy's wrap, which must all see the adapter
+        layers; after ``init_from``, whose keys are the base model's.
+        """
+        if optimization.lora is None or any(m.trainable for m in self.models):
+            return
+        target = next((m for m in raw_models if is_trainable(m)), None)
+        if target is not None:
+            apply_lora(target, optimization.lora)
+            self.lora_prefix = optimization.lora.prefix
+
     def _ema_target_pending(self) -> bool:
         """True while the model being prepared would be the one the EMA tracks."""
         return self.config.ema.enable and not any(m.trainable for m in self.models)
@@ -153,11 +176,7 @@ class LiteGen(CheckpointAPI):
         if ema_cfg.resume_from:
             self._load_ema(entry, ema_cfg.resume_from)
 
-    def _prepare_model(
-        self, model: nn.Module, strategy, optimization, lab, *, first: bool
-    ) -> PreparedModel:
-        if first and self.config.init_from:
-            self._load_into(model, self.config.init_from, what="init_from")
+    def _prepare_model(self, model: nn.Module, strategy, optimization, lab) -> PreparedModel:
         precision = optimization.precision
         if precision.cast_model:
             cast_model(model, precision.cast_model, precision.cast_exclude_paths)
