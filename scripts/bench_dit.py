@@ -46,11 +46,11 @@ from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_ba
 from gpu_power import PowerMeter
 
 import litegen
+from litegen.config import MainConfig
 from litegen.flops import FlopCounter, peak_flops
 from litegen.kernels.attention import attention_context
 from litegen.runtime.distributed import DistEnv
 from litegen.trainer import Trainer
-from litegen.utils.config import MainConfig
 from litegen_cli.recipe import apply_overrides
 
 GIB = 2**30
@@ -427,10 +427,6 @@ def main() -> None:
         if args.set:  # the LiteGen side's own settings (its attention backend, say)
             title += "\nLiteGen only: " + " ".join(args.set)
         print_table(runner_rows, title)
-        packed_qkv = sys.modules.get("litegen.kernels.packed_qkv")
-        if packed_qkv is not None:  # imported when LiteGen's blocks compile with FA4
-            rewritten = packed_qkv.PACK_QKV.rewritten
-            print(f"LiteGen compiled SDPA calls put on FA4's packed qkv op: {rewritten}")
         print_profiles(runner_rows)
     dist.destroy_process_group()
 

@@ -1,11 +1,10 @@
 """The fused GELU MLP's two GEMMs against torch's kernels, at a DiT's MLP shape, on one GPU.
 
-What ``optimization.kernels.fused_gelu_mlp`` changes in a step, measured alone (bf16, 3 warm-up
-and 20 timed calls, ms per call): the first linear layer plus GELU (forward), and the second
-layer's input gradient plus the GELU gradient and the first layer's bias gradient (backward).
-The cuBLASLt rows run the fastest of its candidate algorithms, as LiteGen does, and again
-with the heuristic's first choice; one row runs quack's GELU epilogue, which LiteGen's forward
-takes where quack is installed; two rows time the bias sums against ones-vector GEMVs.
+What ``optimization.experimental.fused_gelu_mlp`` changes in a step, measured alone (bf16, 3
+warm-up and 20 timed calls, ms per call): the first linear layer plus GELU (forward), and the
+second layer's input gradient plus the GELU gradient and the first layer's bias gradient
+(backward). The cuBLASLt rows run the fastest of its candidate algorithms, as LiteGen does; two
+rows time the bias sums against ones-vector GEMVs.
 Defaults are workloads A and C's MLP (32768 tokens, 1152 -> 4608 -> 1152):
 
     python3 scripts/bench_gelu_mlp.py
@@ -22,8 +21,7 @@ import torch.nn.functional as F
 from dit_model import ms_per_call
 from gpu_power import PowerMeter, sustained
 
-from litegen.kernels import cublaslt, quack_gemm
-from litegen.kernels.cublaslt import dgelu, gelu_aux_bias
+from litegen.experimental.cublaslt import dgelu, gelu_aux_bias
 
 
 def main() -> None:
@@ -58,9 +56,6 @@ def main() -> None:
         "forward, torch: addmm, then GELU": lambda: F.gelu(F.linear(x, w1, b1), approximate="tanh"),
         "forward, the addmm alone": lambda: F.linear(x, w1, b1),
         "forward, fused: GELU_AUX_BIAS": lambda: gelu_aux_bias(x, w1, b1),
-        "forward, fused: quack's GELU epilogue (LiteGen's where installed)": lambda: (
-            quack_gemm.gelu_aux_bias(x, w1, b1)
-        ),
         "backward, torch: mm, GELU gradient, bias sum": torch_backward,
         "backward, the mm alone": lambda: grad_y @ w2,
         "backward, fused: DGELU, bias sum": lambda: dgelu(grad_y, w2, pre).sum(0),
@@ -69,8 +64,6 @@ def main() -> None:
     }
     if gelu_aux_bias(x, w1, b1) is None or dgelu(grad_y, w2, pre) is None:
         p.error("cuBLASLt offers no GELU epilogue algorithm for this shape on this GPU")
-    if quack_gemm.gelu_aux_bias(x, w1, b1) is None:
-        print("quack is not installed or cannot serve this GPU: its row times nothing")
     print(f"{n} tokens, {d} -> {inner} -> {d}, bf16, {torch.cuda.get_device_name()}")
     for name, fn in rows.items():
         print(f"{ms_per_call(fn, device, calls=20):8.3f} ms  {name}")
@@ -83,13 +76,6 @@ def main() -> None:
             r = sustained(fn, meter)
             power = f"{r['mj']:6.0f} mJ {r['watts']:4.0f} W {r['sm_mhz']:5.0f} MHz"
             print(f"{r['ms']:8.3f} ms {power}  {name}")
-    # The cuBLASLt rows above ran the fastest of its candidate algorithms; these take the
-    # heuristic's first choice, as cuBLASLt would unasked.
-    cublaslt.TIME_CANDIDATES = False
-    cublaslt.clear_plans()
-    for name, fn in rows.items():
-        if "GELU_AUX_BIAS" in name or "DGELU" in name:
-            print(f"{ms_per_call(fn, device, calls=20):8.3f} ms  {name}, heuristic's first choice")
 
 
 if __name__ == "__main__":

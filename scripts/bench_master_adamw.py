@@ -6,7 +6,7 @@ profiler, which leaves out host launch time), at DiT-XL/2's parameters (about 67
 tensors; ``--depth`` and ``--hidden`` change the model):
 
 * torch's fused AdamW over FP32 parameters, what hand-written mixed precision steps;
-* LiteGen's one-pass master AdamW (:mod:`litegen.kernels.master_adamw`), one launch for all
+* LiteGen's one-pass master AdamW (:mod:`litegen.experimental.master_adamw`), one launch for all
   parameters, at several elements and warps per program.
 
     python3 scripts/bench_master_adamw.py
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from dit_model import DiT, DiTConfig, kernel_ms, ms_per_call
 
-from litegen.kernels import master_adamw
+from litegen.experimental import master_adamw
 
 SWEEP = ((2048, 4), (1024, 4), (1024, 2), (2048, 8), (4096, 8), (8192, 16))  # (elements, warps)
 

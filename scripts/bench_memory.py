@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
 
 from litegen.compile import compile_blocks
+from litegen.config import CompileConfig, MemoryConfig
 from litegen.memory import apply_memory_optimizations, select_evenly
 from litegen.memory.checkpointing import POLICY_CONTEXTS
-from litegen.utils.config import CompileConfig, MemoryConfig
 
 GIB = 2**30
 
@@ -90,7 +90,7 @@ def build(cfg: DiTConfig, case: str, impl: str, device: torch.device, compile_: 
                 "activation_offload": offload,
             }
         )
-        report = apply_memory_optimizations(model, memory, strategy="ddp")
+        report = apply_memory_optimizations(model, memory)
         offloader = report.offloader
         if compile_:
             compile_blocks(

@@ -1,12 +1,12 @@
 """Time inductor's LayerNorm kernels, forward and backward, over a grid of launch configs.
 
-Where ``litegen.kernels.row_reductions.row_launch_config`` comes from. First compile a run
+Where ``litegen.experimental.row_reductions.row_launch_config`` comes from. First compile a run
 into an inductor cache of its own, with kernel benchmarks on, so that every generated kernel
 file can build its own inputs; then sweep the LayerNorm kernels found there (one GPU):
 
     export TORCHINDUCTOR_CACHE_DIR=/tmp/ind TORCHINDUCTOR_BENCHMARK_KERNEL=1
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile \
-        --steps 5 --warmup 2 --set optimization.compile.persistent_rows=2048 ...
+        --steps 5 --warmup 2 --set optimization.experimental.persistent_rows=2048 ...
     python3 scripts/sweep_row_kernels.py /tmp/ind --out sweep --seconds 240 [--match backward]
 
 For each kernel it prints the time of the config inductor launches (its autotuned or fixed

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from litegen.config.sections import FSDP2Config
 from litegen.parallel.fsdp2 import clean_name
 from litegen.parallel.wrap import plan_units
-from litegen.utils.config_sections import FSDP2Config
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model
 

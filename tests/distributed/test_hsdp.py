@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from litegen.config.sections import ParallelConfig
 from litegen.parallel.plan import ParallelPlan
 from litegen.runtime.distributed import DistEnv
-from litegen.utils.config_sections import ParallelConfig
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_fsdp import (
     STEPS,

@@ -55,7 +55,7 @@ class _Counting:
 
 
 def test_one_pass_master_adamw_matches_torchs_adamw_on_the_masters(monkeypatch):
-    from litegen.kernels import master_adamw
+    from litegen.experimental import master_adamw
 
     calls = []
     monkeypatch.setattr(
@@ -100,7 +100,7 @@ def test_a_saved_and_loaded_state_continues_like_an_uninterrupted_run():
 
 
 def test_misaligned_tensors_step_like_aligned_ones_and_strided_ones_are_left_to_torch():
-    from litegen.kernels import master_adamw
+    from litegen.experimental import master_adamw
 
     flat = torch.zeros(4100, device="cuda")
     aligned, misaligned = flat[:4096], flat[1:4097]  # 4 bytes past a 16-byte boundary

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from litegen.compile import compile_blocks
+from litegen.experimental.row_reductions import persistent_rows_context
 from litegen.flops import FlopCounter, peak_flops
 from litegen.kernels.attention import BACKENDS, attention_context
 from litegen.memory import apply_memory_optimizations
@@ -104,7 +105,8 @@ def compile_norms(limit):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(NormBlock(), NormBlock()).cuda()
-    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit), paths=["0", "1"])
+    context = [persistent_rows_context(limit)] if limit is not None else []
+    compile_blocks(model, CompileConfig(enabled=True), paths=["0", "1"], block_contexts=context)
     x = torch.randn(4, 256, 1152, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         output, kernels = run_and_get_code(model, x)
@@ -114,7 +116,7 @@ def compile_norms(limit):
 
 
 def test_persistent_rows_compiles_row_norms_in_one_pass():
-    from litegen.kernels.row_reductions import ROWS_PER_PROGRAM, row_launch_config
+    from litegen.experimental.row_reductions import ROWS_PER_PROGRAM, row_launch_config
 
     # In this order, so that a compile cache shared between the settings would show.
     looped, looped_code, looped_grad, looped_training = compile_norms(None)
@@ -151,7 +153,8 @@ def test_persistent_rows_compile_norms_that_load_a_value_per_row():
     # torch 2.11's code generation fails on it (row_reductions.ROWS_PER_PROGRAM).
     torch._dynamo.reset()
     block = GatedNormBlock().cuda()
-    compile_blocks(block, CompileConfig(enabled=True, persistent_rows=2048), paths=[""])
+    context = [persistent_rows_context(2048)]
+    compile_blocks(block, CompileConfig(enabled=True), paths=[""], block_contexts=context)
     x = torch.randn(4, 256, 1152, device="cuda", requires_grad=True)
     gate = torch.rand(4, 256, 1, device="cuda", requires_grad=True)
     block(x, gate).square().mean().backward()

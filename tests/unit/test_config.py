@@ -193,7 +193,7 @@ def test_union_errors_merged_into_one_line() -> None:
         ({"global_batch_size": 0}, "global_batch_size"),
         ({"max_steps": 0}, "max_steps"),
         ({"optimization": {"parallel": {"strategy": "zero3"}}}, "optimization.parallel.strategy"),
-        ({"optimization": {"parallel": {"tp_size": 0}}}, "optimization.parallel.tp_size"),
+        ({"optimization": {"parallel": {"sp_size": 0}}}, "optimization.parallel.sp_size"),
         (
             {"optimization": {"precision": {"fsdp2_mixed": {"param_dtype": "fp64"}}}},
             "optimization.precision.fsdp2_mixed.param_dtype",

@@ -47,12 +47,11 @@ def test_defaults_of_every_field() -> None:
                     "last_unit_reshard_after_forward": None,
                     "allow_empty_param_unit_sharding": False,
                 },
-                "tp_size": 1,
                 "sp_size": 1,
                 "cp_size": 1,
-                "pp_size": 1,
             },
             "precision": {
+                "preset": None,
                 "cast_model": None,
                 "cast_exclude_paths": [],
                 "fsdp2_mixed": {
@@ -69,22 +68,25 @@ def test_defaults_of_every_field() -> None:
                 "mode": "default",
                 "dynamic": False,
                 "options": {},
-                "persistent_rows": None,
             },
             "memory": {
                 "activation_checkpoint": {
                     "enabled": False,
                     "selective_ratio": 1.0,
+                    "memory_budget_gib": None,
+                    "memory_budget_fraction": 0.9,
                     "target_paths": [],
                     "policy": "block",
                     "memory_budget": 0.5,
+                    "inside_compile": True,
                 },
                 "activation_offload": False,
             },
-            "kernels": {
-                "fused_layernorm": False,
+            "kernels": {"fused_layernorm": False, "attention_backend": "auto"},
+            "experimental": {
+                "persistent_rows": None,
                 "fused_gelu_mlp": False,
-                "attention_backend": "auto",
+                "master_adamw": False,
             },
             "profiles": {},
         },
@@ -233,11 +235,38 @@ def test_bad_profile_fields_reported_at_load_time() -> None:
 def test_rules_across_fields_hold_for_merged_profiles_at_load_time() -> None:
     # persistent_rows needs compile.enabled, which the profile inherits from the general settings.
     general = {"compile": {"enabled": True}}
-    profile = {"frozen": {"compile": {"persistent_rows": 2048}}}
+    profile = {"frozen": {"experimental": {"persistent_rows": 2048}}}
     cfg = MainConfig.from_dict({"optimization": {**general, "profiles": profile}})
-    assert cfg.optimization_for("frozen").compile.persistent_rows == 2048
+    assert cfg.optimization_for("frozen").experimental.persistent_rows == 2048
     with pytest.raises(ValueError) as exc_info:
         MainConfig.from_dict({"optimization": {"profiles": profile}})
     (line,) = problems(exc_info)
-    assert "optimization.profiles.frozen.compile: persistent_rows" in line
+    assert "optimization.profiles.frozen.experimental: persistent_rows" in line
     assert "set optimization.compile.enabled: true" in line
+
+
+def test_tensor_and_pipeline_degrees_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="tp_size: LiteGen has no tensor or pipeline parallelism"):
+        MainConfig(optimization={"parallel": {"tp_size": 1}})
+
+
+def test_the_bf16_mixed_preset_sets_its_fields_unless_written() -> None:
+    cfg = MainConfig(optimization={"precision": {"preset": "bf16-mixed"}})
+    assert cfg.optimization.precision.cast_model == "bf16"
+    assert cfg.optimization.optimizer.fp32_master_weights is True
+    assert cfg.trainer.autocast == "bf16"
+    written = MainConfig(
+        optimization={
+            "precision": {"preset": "bf16-mixed", "cast_model": "fp32"},
+            "optimizer": {"fp32_master_weights": False},
+        },
+        trainer={"autocast": "fp16"},
+    )
+    assert written.optimization.precision.cast_model == "fp32"
+    assert written.optimization.optimizer.fp32_master_weights is False
+    assert written.trainer.autocast == "fp16"
+    profiled = MainConfig(optimization={"profiles": {"p": {"precision": {"preset": "bf16-mixed"}}}})
+    assert profiled.optimization_for("p").precision.cast_model == "bf16"
+    assert profiled.optimization_for(None).precision.cast_model is None
+    with pytest.raises(ValueError, match=r"optimization\.precision\.preset"):
+        MainConfig(optimization={"precision": {"preset": "bf16"}})

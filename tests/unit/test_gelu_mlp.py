@@ -20,9 +20,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import litegen
 from litegen.compile import compile_blocks
-from litegen.kernels import apply_fused_gelu_mlp, quack_gemm
-from litegen.kernels.gelu_mlp import sum_rows
-from litegen.kernels.mlp_fusion import is_fused
+from litegen.experimental import TESTED_TORCH, torch_release
+from litegen.experimental.gelu_mlp import sum_rows
+from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp, is_fused
 from litegen.utils.config import CompileConfig, MainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -156,29 +156,6 @@ def test_bias_gradient_sums_are_column_sums():
     torch.testing.assert_close(sum_rows(matrix), matrix.sum(0))
 
 
-def test_quack_serves_no_cpu_call():
-    x, w, b = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64)
-    assert quack_gemm.gelu_aux_bias(x.bfloat16(), w.bfloat16(), b.bfloat16()) is None
-
-
-def test_a_quack_that_cannot_build_its_kernel_is_reported_once_and_left(monkeypatch, caplog):
-    calls = []
-
-    def failing_gemm_act(*args, **kwargs):
-        calls.append(args)
-        raise TypeError("epilogue fn depends on <ContextVar ...>")
-
-    monkeypatch.setattr(quack_gemm, "_failure", None)
-    monkeypatch.setattr(quack_gemm, "_servable", lambda *tensors: True)
-    monkeypatch.setattr(quack_gemm, "_gemm_act", lambda: failing_gemm_act)
-    x, w, b = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64)
-    with caplog.at_level("WARNING", logger="litegen"):
-        assert quack_gemm.gelu_aux_bias(x, w, b) is None
-        assert quack_gemm.gelu_aux_bias(x, w, b) is None
-    assert len(calls) == 1  # not tried again
-    assert "TypeError: epilogue fn depends on" in caplog.text and "cuBLASLt" in caplog.text
-
-
 def test_flops_are_counted_as_for_the_unfused_mlp():
     reference = sequential_mlp()
     fused = copy.deepcopy(reference)
@@ -236,13 +213,14 @@ def test_under_autocast_it_matches_the_unfused_mlp_under_autocast():
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
-def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path):
+def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setitem(TESTED_TORCH, "fused_gelu_mlp", (torch_release(),))
     config = MainConfig.from_dict(
         {
             "results_dir": str(tmp_path),
             "runtime": {"device": "cpu"},
             "global_batch_size": 2,
-            "optimization": {"kernels": {"fused_gelu_mlp": True}},
+            "optimization": {"experimental": {"fused_gelu_mlp": True}},
         }
     )
     gen = litegen.initialize(config)
@@ -250,3 +228,20 @@ def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path):
     model = gen.prepare(model)
     fused = [name for name, m in gen.unwrap(model).named_modules() if is_fused(m)]
     assert fused == [f"blocks.{i}.mlp" for i in range(TINY.depth)]
+
+
+def test_diffusers_gelu_approximate_feed_forward_is_fused_and_computes_the_same():
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    reference = FeedForward(16, activation_fn="gelu-approximate")
+    fused = copy.deepcopy(reference)
+    assert apply_fused_gelu_mlp(fused) == 1 and is_fused(fused)
+    assert apply_fused_gelu_mlp(FeedForward(16, activation_fn="gelu")) == 0  # exact GELU
+    assert apply_fused_gelu_mlp(FeedForward(16, activation_fn="geglu")) == 0
+    x = torch.randn(2, 5, 16)
+    ref_dx, ref_grads = grads_of(reference, x)
+    dx, grads = grads_of(fused, x)
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)

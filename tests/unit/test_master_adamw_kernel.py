@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 CHILD = r"""
 import torch
-from litegen.kernels import master_adamw
+from litegen.experimental import master_adamw
 
 launches = []
 kernel = master_adamw._adamw_master_kernel

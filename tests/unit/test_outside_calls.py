@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from litegen.memory.blocks import repeated_blocks
+from litegen.blocks import repeated_blocks
 from litegen.parallel.outside_calls import called_from_outside
 from tests.distributed.models import TinyDiT
 

@@ -1,4 +1,4 @@
-"""``optimization.compile.persistent_rows``: which reductions inductor is told to run in one pass.
+"""``optimization.experimental.persistent_rows``: which reductions inductor is told to run in one pass.
 
 The heuristic is checked against inductor's own on the same inputs; that the generated kernels
 change (and compute the same) is checked on CUDA in ``tests/gpu/test_perf_gpu.py``.
@@ -21,7 +21,12 @@ from torch._inductor.sizevars import SizeVarAllocator
 from torch._inductor.virtualized import V
 
 from litegen.compile import compile_blocks
-from litegen.kernels.row_reductions import ROWS_PER_PROGRAM, PersistentRows, row_launch_config
+from litegen.experimental.row_reductions import (
+    ROWS_PER_PROGRAM,
+    PersistentRows,
+    persistent_rows_context,
+    row_launch_config,
+)
 from litegen.utils.config import CompileConfig, MainConfig
 
 
@@ -108,7 +113,7 @@ def test_rows_made_persistent_get_a_fixed_launch_config():
 def test_one_row_a_program_only_where_inductor_can_generate_it(monkeypatch):
     from torch._inductor.codegen.triton import TritonSymbols
 
-    from litegen.kernels import row_reductions
+    from litegen.experimental import row_reductions
 
     # The locked torch (2.13) generates them; torch 2.11 fails on them (tests/gpu).
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):
@@ -167,6 +172,12 @@ def test_multi_kernel_keeps_inductors_tuning():
         assert "fixed_config" not in launch_kwargs(Features(1152, ReductionHint.INNER))
 
 
+def compile_with_rows(model: nn.Module, limit: int | None, backend=None) -> None:
+    """Compile the blocks as prepare does with ``experimental.persistent_rows: limit``."""
+    context = [persistent_rows_context(limit)] if limit is not None else []
+    compile_blocks(model, CompileConfig(enabled=True), backend=backend, block_contexts=context)
+
+
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -190,7 +201,7 @@ def test_handler_is_set_only_while_a_block_compiles(limit):
         return gm.forward
 
     model = Blocks()
-    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit), backend=backend)
+    compile_with_rows(model, limit, backend=backend)
     model(torch.randn(2, 8))
     assert len(seen) == 2  # one graph per block here (two ``Sequential`` instances)
     if limit is None:
@@ -222,7 +233,7 @@ def test_backward_graphs_compile_inside_the_blocks_call_with_the_handler_set():
 
     backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
     model = Blocks()
-    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=2048), backend=backend)
+    compile_with_rows(model, 2048, backend=backend)
     out = model(torch.randn(2, 8, requires_grad=True))
     # The backward graph compiled before any backward ran, with LiteGen's heuristics.
     assert seen[:2] == [("forward", True), ("backward", True)], seen
@@ -233,14 +244,14 @@ def test_backward_graphs_compile_inside_the_blocks_call_with_the_handler_set():
 
 
 def test_config_rejects_a_non_positive_limit_and_a_limit_without_compile():
+    on = {"compile": {"enabled": True}}
     with pytest.raises(ValueError, match="persistent_rows"):
-        compile_section = {"enabled": True, "persistent_rows": 0}
-        MainConfig.model_validate({"optimization": {"compile": compile_section}})
+        MainConfig.model_validate({"optimization": {**on, "experimental": {"persistent_rows": 0}}})
     with pytest.raises(ValueError, match="compile is off"):
-        MainConfig.model_validate({"optimization": {"compile": {"persistent_rows": 2048}}})
-    compile_section = {"enabled": True, "persistent_rows": 2048}
-    config = MainConfig.model_validate({"optimization": {"compile": compile_section}})
-    assert config.optimization.compile.persistent_rows == 2048
+        MainConfig.model_validate({"optimization": {"experimental": {"persistent_rows": 2048}}})
+    optimization = {**on, "experimental": {"persistent_rows": 2048}}
+    config = MainConfig.model_validate({"optimization": optimization})
+    assert config.optimization.experimental.persistent_rows == 2048
 
 
 def compile_and_run(limit: int | None) -> dict[str, int]:
@@ -250,7 +261,7 @@ def compile_and_run(limit: int | None) -> dict[str, int]:
     torch._dynamo.reset()
     counters.clear()
     model = Blocks()
-    compile_blocks(model, CompileConfig(enabled=True, persistent_rows=limit))
+    compile_with_rows(model, limit)
     model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     found = {**counters["inductor"], **counters["aot_autograd"]}
     torch._dynamo.reset()

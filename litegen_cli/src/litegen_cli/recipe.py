@@ -19,13 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from litegen.utils import config as config_module
-from litegen.utils.config import MainConfig
+from litegen.config import MainConfig, YamlLoader
 from litegen_cli.slurm import apply_slurm_env
-
-# The config module's SafeLoader subclass also reads `1e-4` as a float (as YAML 1.2 does);
-# using it keeps `litegen launch` and `MainConfig.load_yaml` reading a file the same way.
-_Loader = getattr(config_module, "_YamlLoader", yaml.SafeLoader)
 
 HEADER = "Error to load config, found the following problems:"
 FOOTER = "Please check your configuration."
@@ -118,7 +113,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in parts):
         raise ValueError(f"override '{text}' has an empty key: write it as key.path=value")
     try:
-        value = yaml.load(raw, Loader=_Loader)  # safe_load + `1e-4` as float
+        value = yaml.load(raw, Loader=YamlLoader)  # safe_load + `1e-4` as float
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0]
         raise ValueError(f"override '{text}': value is not valid YAML ({first})") from None
@@ -213,7 +208,9 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
             hint="Pass the path of a YAML recipe, e.g. `litegen launch recipes/digits_dit.yaml`.",
         )
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        data = yaml.load(
+            path.read_text(encoding="utf-8"), Loader=YamlLoader
+        )  # as MainConfig.load_yaml reads files
     except yaml.YAMLError as exc:
         raise RecipeError(
             [f"recipe file '{path}' is not valid YAML: {exc}"],

@@ -1,12 +1,12 @@
 """LiteGen: fast, memory-lean training for diffusion transformers.
 
     import litegen
-    from litegen.utils.config import MainConfig
+    from litegen.config import MainConfig
 
     gen = litegen.initialize(MainConfig.load_yaml("recipe.yaml"))
     model, optimizer, loader = gen.prepare(model, optimizer, dataset)
 
-The heavy parts (torch) load on first use, so importing ``litegen.utils.config``
+The heavy parts (torch) load on first use, so importing ``litegen.config``
 from the CLI stays fast.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from litegen.utils.config import Config, MainConfig
+from litegen.config import Config, MainConfig
 
 if TYPE_CHECKING:
     from litegen.runtime.litegen import LiteGen, initialize

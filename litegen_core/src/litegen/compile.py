@@ -13,8 +13,15 @@ which runs the module's hooks inside the compiled region. FSDP's all-gather hook
 Dynamo-disabled, so they would split every block's graph in two. Compiling the instance's
 ``forward`` keeps the hooks eager around the compiled region (torchtitan's layout), and since no
 wrapper module is inserted, ``state_dict`` keys and parameter objects stay the user's (no
-``_orig_mod.`` prefix). A checkpointed block's ``forward`` is already the checkpoint wrapper,
-so the compiled region contains the checkpoint and its recomputation.
+``_orig_mod.`` prefix).
+
+A block that activation checkpointing or offload manages has a
+:class:`litegen.memory.block_forward.BlockForward` as its ``forward``; it is compiled from
+inside (:meth:`~litegen.memory.block_forward.BlockForward.compile`): its plain forward, and with
+``inside_compile`` its checkpointed forward too, each become a compiled callable, while the
+offloader's saved-tensor hooks stay eager around them (hooks entered inside a compiled region
+would break its graph). So each mode has its graph, and the budget planner can switch a
+block's mode without a recompile.
 
 ``dynamic``: ``None`` lets Dynamo compile the first shape static and, at the first new shape,
 recompile once with dynamic sizes (at most two compiles per block for any number of
@@ -22,15 +29,10 @@ resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on
 variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
 eagerly: use it only for fixed shapes.
 
-``persistent_rows``: inductor reduces rows of up to 1024 elements in one pass, longer ones in
-two; LiteGen can raise that limit for the blocks' graphs (:mod:`litegen.kernels.row_reductions`),
-again only around each call of a compiled block, with the heuristics added to the compile
-caches' keys (:func:`_caches_keyed_on`). The block's backward graph then compiles inside that
-call too, with its forward (:func:`_backward_compiled_in_this_call`).
-
-``pack_qkv`` (runs whose attention is FA4): inductor's pre-grad pass slot gets
-:class:`litegen.kernels.packed_qkv.PackQkvAttention`, again only around each call of a compiled
-block, so that FA4's backward writes the gradient of a block's packed qkv tensor in one buffer.
+``block_contexts``: contexts entered around every call of a compiled block (where its graphs
+compile on the first call and on recompiles), for settings that must reach only LiteGen's blocks;
+sequence parallelism (:func:`litegen.parallel.sequence.compile_context`) and the experimental
+kernels (:mod:`litegen.experimental`) use it.
 
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
@@ -57,17 +59,18 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.parallel import DistributedDataParallel
 
-from litegen.memory.blocks import repeated_blocks
+from litegen.blocks import repeated_blocks
+from litegen.memory.block_forward import block_forward
 
 log = logging.getLogger("litegen")
 
@@ -82,20 +85,15 @@ class _CompiledForward:
         patched: bool,
         memory_budget: float | None = None,
         is_block: bool = True,
-        choices: Any = None,
-        cache_key_slot_free: bool = True,
-        pre_grad_pass: CustomGraphPass | None = None,
+        block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
-        self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
+        self.patched = patched  # whether ``original`` was set on the instance
         self.memory_budget = memory_budget
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
-        self.choices = choices  # inductor heuristics for this block's graphs, or None
-        # Whether torch.compile's options leave inductor's post-grad pass slot to LiteGen.
-        self.cache_key_slot_free = cache_key_slot_free
-        self.pre_grad_pass = pre_grad_pass  # LiteGen's rewrite of the blocks' graphs, or None
+        self.block_contexts = tuple(block_contexts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -108,69 +106,16 @@ class _CompiledForward:
             if self.memory_budget is not None:
                 budget = {"activation_memory_budget": self.memory_budget}
                 settings.enter_context(torch._functorch.config.patch(**budget))
-            if self.choices is not None:
-                from torch._inductor.virtualized import V
-
-                settings.enter_context(V.set_choices_handler(self.choices))
-                settings.enter_context(_caches_keyed_on(self.choices, self.cache_key_slot_free))
-                settings.enter_context(_backward_compiled_in_this_call())
-            inductor_config = torch._inductor.config
-            if self.pre_grad_pass is not None and inductor_config.pre_grad_custom_pass is None:
-                pre_grad = {"pre_grad_custom_pass": self.pre_grad_pass}
-                settings.enter_context(inductor_config.patch(**pre_grad))
+            for context in self.block_contexts:
+                settings.enter_context(context())
             return self.compiled(*args, **kwargs)
-
-
-class _CacheKey(CustomGraphPass):
-    """A post-grad pass that leaves the graph as it is; its ``uuid`` joins the cache keys."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
-
-    def uuid(self) -> str:
-        return self.key
-
-
-def _caches_keyed_on(choices: Any, slot_free: bool) -> ExitStack:
-    """Compile caches that tell graphs compiled with ``choices`` from all others.
-
-    Inductor's and AOTAutograd's caches key on inductor's config and its custom passes, not on
-    its heuristics, so on their own they would hand graphs compiled with ``choices`` to compiles
-    without them, and the other way round. A custom post-grad pass that changes nothing puts
-    ``choices`` into the keys. Where that slot holds a pass of the user's (inductor's config,
-    or ``optimization.compile.options``, which inductor applies over ours), the caches are off.
-    """
-    settings = ExitStack()
-    inductor_config = torch._inductor.config
-    if slot_free and inductor_config.post_grad_custom_post_pass is None:
-        key = _CacheKey(choices.cache_key())
-        settings.enter_context(inductor_config.patch(post_grad_custom_post_pass=key))
-    else:
-        settings.enter_context(inductor_config.patch(fx_graph_cache=False))
-        autograd_cache = {"enable_autograd_cache": False}
-        settings.enter_context(torch._functorch.config.patch(**autograd_cache))
-    return settings
-
-
-def _backward_compiled_in_this_call() -> Any:
-    """Has AOTAutograd compile a block's backward graph with its forward, inside the call.
-
-    With static shapes it compiles the backward lazily, at the first backward, after the block's
-    call has returned and its heuristics are unset, so they would reach forward graphs only.
-    Compiling it at once costs nothing more: every block that trains runs its backward. Torch
-    without the switch keeps compiling lazily.
-    """
-    functorch_config = torch._functorch.config
-    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-        return nullcontext()
-    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled this module's ``forward``."""
+    managed = block_forward(module)
+    if managed is not None:
+        return managed.compiled
     return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
@@ -209,18 +154,17 @@ def compile_blocks(
     paths: Sequence[str] | None = None,
     backend: str | Callable | None = None,
     memory_budget: float | None = None,
-    pack_qkv: bool = False,
+    block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
-    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``,
-    ``persistent_rows``). ``paths`` overrides the blocks (default:
-    :func:`litegen.memory.repeated_blocks`; the whole model's ``forward`` when it has none).
+    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``).
+    ``paths`` overrides the blocks (default: :func:`litegen.blocks.repeated_blocks`; the whole
+    model's ``forward`` when it has none).
     ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
     use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward
-    (module docstring); ``None`` leaves compile's default. ``pack_qkv`` (for runs whose attention
-    is FA4) hands FA4 the packed qkv tensor of each block's attention
-    (:mod:`litegen.kernels.packed_qkv`), unless inductor's options hold a pre-grad pass already.
+    (module docstring); ``None`` leaves compile's default. ``block_contexts`` are entered around
+    every call of a compiled block (module docstring).
 
     Example:
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
@@ -252,27 +196,12 @@ def compile_blocks(
                 " set mode: default, or leave options empty."
             )
         kwargs["options"] = inductor_options(compile_cfg.options)
-    choices = None
-    if compile_cfg.persistent_rows is not None:  # read by inductor only; other backends skip it
-        from litegen.kernels.row_reductions import PersistentRows
-
-        choices = PersistentRows(compile_cfg.persistent_rows)
-    pre_grad_pass = None
-    if pack_qkv and "pre_grad_custom_pass" not in kwargs.get("options", {}):
-        from litegen.kernels.packed_qkv import PACK_QKV
-
-        pre_grad_pass = PACK_QKV
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
         torch._dynamo.config.automatic_dynamic_shapes = True
-    done: list[str] = []
-    for path in paths:
-        module = model.get_submodule(path) if path else model
-        if is_compiled(module):
-            continue
-        original = module.forward
-        patched = "forward" in module.__dict__
+
+    def compiled_forward(original: Callable, patched: bool, is_block: bool) -> _CompiledForward:
         try:
             compiled = torch.compile(original, **kwargs)
         except RuntimeError as exc:  # torch checks the options' names and types here
@@ -283,30 +212,29 @@ def compile_blocks(
                 f"optimization.compile.options: {reason}; the names and types are those of "
                 "torch._inductor.config."
             ) from exc
-        module.forward = _CompiledForward(
+        return _CompiledForward(
             original,
             compiled,
             patched,
             memory_budget,
-            is_block=bool(path),
-            choices=choices,
-            cache_key_slot_free="post_grad_custom_post_pass" not in kwargs.get("options", {}),
-            pre_grad_pass=pre_grad_pass,
+            is_block=is_block,
+            block_contexts=block_contexts,
         )
+
+    done: list[str] = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        if is_compiled(module):
+            continue
+        managed = block_forward(module)
+        if managed is not None:  # checkpointing/offload: compile what each mode runs
+            managed.compile(functools.partial(compiled_forward, patched=False, is_block=bool(path)))
+        else:
+            module.forward = compiled_forward(
+                module.forward, "forward" in module.__dict__, is_block=bool(path)
+            )
         done.append(path)
     return done
 
 
-def uncompile_blocks(model: nn.Module) -> int:
-    """Restore the eager ``forward`` of every compiled module; returns how many were restored."""
-    count = 0
-    for module in model.modules():
-        if is_compiled(module):
-            wrapper = module.__dict__.pop("forward")
-            if wrapper.patched:
-                module.forward = wrapper.original
-            count += 1
-    return count
-
-
-__all__ = ["compile_blocks", "is_compiled", "uncompile_blocks"]
+__all__ = ["compile_blocks", "inductor_options", "is_compiled"]

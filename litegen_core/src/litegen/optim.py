@@ -5,10 +5,9 @@
 * ``fp32_master_weights``: AdamW keeps an FP32 copy of every bf16/fp16 parameter in its state
   (``state[p]["master"]``, with FP32 moments beside it), steps that copy with the gradient
   upcast to FP32, and writes the result back into the parameter rounded to nearest. Small
-  updates that would vanish in bf16 accumulate in the master instead. With ``backend: fused``
-  (or ``AdamW(fused=True)``) on CUDA, one Triton launch does all of that in one pass over
-  every parameter (:mod:`litegen.kernels.master_adamw`); otherwise torch's AdamW steps the
-  masters.
+  updates that would vanish in bf16 accumulate in the master instead. Torch's AdamW steps the
+  masters, unless a kernel that does the whole update in one pass is set for the optimizer
+  (:func:`set_master_step_kernel`; ``optimization.experimental.master_adamw`` sets one).
 
 The master step runs in an optimizer *step pre-hook*: it updates the low-precision parameters
 itself and hides their gradients, so the optimizer's own step only touches FP32 parameters. The
@@ -21,6 +20,7 @@ state is kept as DTensors with the parameter's placements, so it reshards like t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,12 +33,16 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def configure_optimizer(
-    optimizer: torch.optim.Optimizer, settings: Any, *, master_weights: bool = True
+    optimizer: torch.optim.Optimizer,
+    settings: Any,
+    *,
+    master_weights: bool = True,
+    strategy: str = "this strategy",
 ) -> torch.optim.Optimizer:
     """Apply ``optimization.optimizer`` (an ``OptimizerConfig``) to ``optimizer`` in place.
 
     ``master_weights=False`` is for strategies without master-weight support: a requested
-    ``fp32_master_weights`` is then ignored with a warning.
+    ``fp32_master_weights`` is then ignored with a warning naming ``strategy``.
 
     Example:
         >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
@@ -48,10 +52,9 @@ def configure_optimizer(
         if master_weights:
             enable_master_weights(optimizer)
         else:
-            # The strategies named are those with Strategy.master_weights set.
             warnings.warn(
-                "optimization.optimizer.fp32_master_weights is only applied under ddp, zero1, "
-                "zero2, fsdp2 and hsdp; it is ignored with this strategy.",
+                f"optimization.optimizer.fp32_master_weights is not applied by {strategy}; it is "
+                "ignored (see docs/strategies.md for the strategies that keep FP32 masters).",
                 stacklevel=2,
             )
     return optimizer
@@ -130,6 +133,21 @@ def enable_master_weights(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(_restore_fp32_state)
     optimizer._litegen_master_weights = True
     optimizer._litegen_hidden_grads = []
+
+
+MasterStepKernel = Callable[..., bool]
+"""``kernel(hyper, params, grads, masters, exp_avgs, exp_avg_sqs, steps) -> bool``: steps one
+param group's FP32 masters and rounds them into the parameters; False when it cannot serve the
+group (torch's AdamW then does)."""
+
+
+def set_master_step_kernel(optimizer: torch.optim.Optimizer, kernel: MasterStepKernel) -> None:
+    """Have ``kernel`` step the FP32 masters of groups with ``fused`` set (see module docs).
+
+    Example:
+        >>> set_master_step_kernel(optimizer, master_adamw.one_pass_step)
+    """
+    optimizer._litegen_master_kernel = kernel
 
 
 def _keep_fp32_state(optimizer, state_dict: dict) -> None:
@@ -215,14 +233,17 @@ def _master_step(optimizer, args, kwargs) -> None:
             [_local(s["exp_avg_sq"]) for s in states],
             [s["step"] for s in states],
         )
-        _adamw_on_masters(group, fused, *tensors)
+        kernel = getattr(optimizer, "_litegen_master_kernel", None) if fused else None
+        _adamw_on_masters(group, fused, kernel, *tensors)
         for p in params:
             # Hide the gradient so the optimizer's own step skips this parameter.
             hidden.append((p, p.grad))
             p.grad = None
 
 
-def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sqs, steps) -> None:
+def _adamw_on_masters(
+    group, fused, kernel, params, grads, masters, exp_avgs, exp_avg_sqs, steps
+) -> None:
     """Step the FP32 ``masters`` with ``grads`` and round them into ``params``."""
     hyper = {
         "lr": group["lr"],
@@ -230,7 +251,7 @@ def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sq
         "eps": group["eps"],
         "weight_decay": group["weight_decay"],
     }
-    if fused and _one_pass_kernel(hyper, params, grads, masters, exp_avgs, exp_avg_sqs, steps):
+    if kernel is not None and kernel(hyper, params, grads, masters, exp_avgs, exp_avg_sqs, steps):
         return
     grads32 = [torch.empty_like(m) for m in masters]
     # Multi-tensor copies (casting): one pair of kernels per few hundred tensors on CUDA.
@@ -254,21 +275,6 @@ def _adamw_on_masters(group, fused, params, grads, masters, exp_avgs, exp_avg_sq
         maximize=False,
     )
     torch._foreach_copy_(params, masters)  # round to nearest into bf16/fp16
-
-
-def _one_pass_kernel(hyper: dict, *tensor_lists: list[torch.Tensor]) -> bool:
-    """Run the Triton master AdamW when it can serve the group; False to use torch's."""
-    numbers = (hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
-    if not all(isinstance(v, (int, float)) for v in numbers):  # e.g. a tensor learning rate
-        return False
-    try:
-        from litegen.kernels import master_adamw
-    except ImportError:  # no Triton (it ships with torch's CUDA wheels on Linux)
-        return False
-    if not master_adamw.servable(*tensor_lists):
-        return False
-    master_adamw.adamw_master_step(*tensor_lists, **hyper)
-    return True
 
 
 def _restore_grads(optimizer, args, kwargs) -> None:

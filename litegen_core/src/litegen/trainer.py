@@ -30,6 +30,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
+from litegen.config import MainConfig
 from litegen.data import to_device
 from litegen.entry import load_entry
 from litegen.flops import StepThroughput
@@ -37,7 +38,6 @@ from litegen.loss_guard import LossGuard
 from litegen.metrics import MetricsLogger
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
-from litegen.utils.config import MainConfig
 
 log = logging.getLogger("litegen")
 
@@ -91,7 +91,7 @@ class Trainer:
         # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
         self.checkpointer = RunCheckpointer(
-            gen,
+            gen.trainables,
             self.config.get_checkpoint_dir(),
             keep_last=self.config.trainer.keep_last,
             async_save=self.config.trainer.async_checkpoint,

@@ -1,4 +1,6 @@
-"""Checkpoint files: naming rules, atomic writes, validated loads; run checkpoints (folders)."""
+"""Everything checkpoints: single files (names, atomic writes, validated loads), run checkpoint
+folders (``run_state``), ZeRO's sharded optimizer files (``zero_state``) and the checkpoint half
+of the LiteGen object (``api``)."""
 
 from litegen.checkpoint.files import (
     atomic_write,
@@ -12,6 +14,7 @@ from litegen.checkpoint.files import (
 )
 from litegen.checkpoint.run_state import (
     RunCheckpointer,
+    Trainable,
     capture_rng,
     find_latest,
     list_checkpoints,
@@ -22,6 +25,7 @@ from litegen.checkpoint.run_state import (
 
 __all__ = [
     "RunCheckpointer",
+    "Trainable",
     "atomic_write",
     "atomic_write_text",
     "capture_rng",

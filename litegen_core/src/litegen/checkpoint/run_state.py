@@ -24,7 +24,8 @@ import re
 import shutil
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,20 +199,65 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
 
+# -- what is saved ------------------------------------------------------------------------------
+@dataclass
+class Trainable:
+    """One trainable model as checkpoints see it: its strategy's sharded state, the optimizer's,
+    and the EMA's when it goes with this model.
+
+    ``strategy`` is the model's :class:`litegen.parallel.base.Strategy` (its ``dcp_state`` and
+    ``load_dcp_state``); ``ema`` an EMA with ``dcp_state``/``load_dcp_state``, or None.
+
+    Example:
+        >>> Trainable(model, optimizer, strategy, ema=None).dcp_state().keys()
+        dict_keys(['model', 'optimizer'])
+    """
+
+    module: Any
+    optimizer: Any
+    strategy: Any
+    ema: Any = None
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The state ``torch.distributed.checkpoint`` saves, and loads in place."""
+        state = self.strategy.dcp_state(self.module, self.optimizer)
+        if self.ema is not None:
+            state["ema"] = self.ema.dcp_state()
+        return state
+
+    def load_dcp_state(self, state: dict[str, Any]) -> None:
+        """Apply a state :meth:`dcp_state` returned and ``dcp.load`` filled."""
+        self.strategy.load_dcp_state(self.module, self.optimizer, state)
+        if self.ema is not None:
+            self.ema.load_dcp_state(state["ema"])
+
+    def model_shapes(self) -> dict[str, Any]:
+        """The model's tensors at their global shapes (to check a checkpoint against)."""
+        return self.strategy.dcp_state(self.module)["model"]
+
+
 # -- save --------------------------------------------------------------------------------------
 class RunCheckpointer:
     """Writes and reads the run checkpoints of one prepared job. Call every method on every rank.
 
+    ``trainables`` returns what to save (``LiteGen.trainables``); it is called at each save and
+    load, so models prepared later are included.
+
     Example:
-        >>> ckpt = RunCheckpointer(gen, "results/dit", keep_last=3)
+        >>> ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
         >>> ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
         >>> ckpt.wait()  # only needed with async_save=True
     """
 
     def __init__(
-        self, gen: Any, root: str | Path, *, keep_last: int | None = None, async_save: bool = False
+        self,
+        trainables: Callable[[], list[Trainable]],
+        root: str | Path,
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
     ) -> None:
-        self.gen = gen
+        self.trainables = trainables
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
@@ -221,19 +267,6 @@ class RunCheckpointer:
             # The background writer runs collectives while the loop runs its own; a separate
             # gloo group keeps the two from interleaving on one communicator.
             self._group = dist.new_group(backend="gloo")
-
-    def _targets(self) -> list[tuple[Any, Any, bool]]:
-        """(prepared model, its optimizer or None, save the EMA with it) per trainable model."""
-        targets = []
-        for i, entry in enumerate(m for m in self.gen.models if m.trainable):
-            if len(entry.optimizers) > 1:
-                raise ValueError(
-                    "run checkpoints hold one optimizer per trainable model; this model has "
-                    f"{len(entry.optimizers)}. Use one optimizer with several param groups."
-                )
-            optimizer = entry.optimizers[0] if entry.optimizers else None
-            targets.append((entry.module, optimizer, i == 0 and self.gen.ema is not None))
-        return targets
 
     def save(self, step: int, rank_state: dict[str, Any], extra_files: Mapping[str, str]) -> None:
         """Start writing ``step_<step>``; it is complete (and ``latest``) once :meth:`wait` ran.
@@ -256,10 +289,10 @@ class RunCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         futures = []
-        for i, (module, optimizer, ema) in enumerate(self._targets()):
+        for i, target in enumerate(self.trainables()):
             # Plain DCP writes: tmp is already the temporary folder wait() renames into place.
             model_dir = str(tmp / f"model_{i}")
-            state = self.gen.dcp_state(module, optimizer, ema=ema)
+            state = target.dcp_state()
             if self.async_save:
                 # async_save copies the state to CPU memory before returning, so the loop may
                 # change the weights while the copy is written.
@@ -312,20 +345,22 @@ class RunCheckpointer:
         model raises a ValueError naming the checkpoint and every differing tensor.
         """
         path = resolve_checkpoint(path)
-        targets = self._targets()
+        targets = self.trainables()
         saved = len(list(path.glob("model_*")))
         if saved != len(targets):
             raise ValueError(
                 f"run checkpoint {path} holds {saved} trainable model(s), this run prepares "
                 f"{len(targets)}; resume with the entry module that wrote it."
             )
-        for i, (module, optimizer, ema) in enumerate(targets):
-            self._check(path / f"model_{i}", module, optimizer, ema)
-        for i, (module, optimizer, ema) in enumerate(targets):
+        for i, target in enumerate(targets):
+            self._check(path / f"model_{i}", target)
+        import torch.distributed.checkpoint as dcp
+
+        for i, target in enumerate(targets):
             try:
-                self.gen.load_model_state(
-                    path / f"model_{i}", model=module, optimizer=optimizer, ema=ema
-                )
+                state = target.dcp_state()
+                dcp.load(state, checkpoint_id=str(path / f"model_{i}"))
+                target.load_dcp_state(state)
             except Exception as err:  # DCP wraps every rank's read error in one exception
                 raise ValueError(
                     f"run checkpoint {path} is corrupt: loading model_{i} failed "
@@ -342,18 +377,18 @@ class RunCheckpointer:
                 f"({type(err).__name__}: {err})."
             ) from err
 
-    def _check(self, model_dir: Path, module: Any, optimizer: Any, ema: bool) -> None:
+    def _check(self, model_dir: Path, target: Trainable) -> None:
         metadata = read_metadata(model_dir).state_dict_metadata
-        expected = self.gen._entry(module).strategy.dcp_state(module)["model"]
+        expected = target.model_shapes()
         saved = {
             key.removeprefix("model."): torch.empty(tuple(meta.size), device="meta")
             for key, meta in metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")
         }
         check_model_state(expected, saved, model_dir.parent)
-        if optimizer is not None and not any(k.startswith("optimizer.") for k in metadata):
+        if target.optimizer is not None and not any(k.startswith("optimizer.") for k in metadata):
             raise ValueError(f"run checkpoint {model_dir.parent} has no optimizer state.")
-        if ema and not any(k.startswith("ema.") for k in metadata):
+        if target.ema is not None and not any(k.startswith("ema.") for k in metadata):
             raise ValueError(
                 f"run checkpoint {model_dir.parent} has no EMA state but ema.enable is true; "
                 "resume with ema.enable=false or from a run that kept an EMA."

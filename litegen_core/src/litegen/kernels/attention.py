@@ -9,19 +9,13 @@ Backends:
 
 - ``auto``: on CUDA, torch's own kernels in the order cuDNN, flash, memory-efficient, math;
   each call takes the first that supports its shapes and dtypes. cuDNN comes first because it
-  measured 1.4-1.75x faster than torch's flash backend on H200 at the benchmark shapes (head
-  dim 72 and 128). torch 2.11 already picks cuDNN there by default, so ``auto`` pins that
-  order for versions whose default differs (``scripts/bench_dit.py --attention-sweep`` shows
-  which kernel torch picks). Elsewhere (CPU) ``auto`` leaves torch's default.
+  measured fastest at DiT head sizes on Hopper (benchmarks/); ``auto`` pins that order for torch
+  versions whose default differs. Elsewhere (CPU) ``auto`` leaves torch's default.
 - ``cudnn`` / ``flash`` / ``efficient`` / ``math``: only that torch kernel; a call it cannot
   serve fails with torch's "No available kernel" error (use ``auto`` to fall back).
-- ``flash_attn``: FlashAttention from an optional extra. On Hopper and Blackwell with the
-  ``flash-attn-4`` extra installed, FA4's CuTe kernels: ``litegen.kernels.fa4`` makes them the
-  kernels of torch's flash backend for the whole process, and the context puts that backend
-  first (then ``auto``'s order for calls it cannot serve), so compiled blocks keep seeing one
-  aten op. Otherwise the ``flash-attn`` extra's package (FA3's
-  ``flash_attn_interface`` when present, else FA2's ``flash_attn``) for the calls it supports
-  (CUDA, fp16/bf16, no mask, head dim <= 256); other calls go to torch.
+- ``flash_attn``: the ``flash-attn`` extra's package (FA3's ``flash_attn_interface`` when
+  present, else FA2's ``flash_attn``) for the calls it supports (CUDA, fp16/bf16, no mask, head
+  dim <= 256); other calls go to torch.
 
 Example:
     >>> with attention_context("cudnn", torch.device("cuda")):
@@ -42,8 +36,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from litegen.kernels import fa4
-
 BACKENDS: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -53,11 +45,6 @@ BACKENDS: dict[str, SDPBackend] = {
 # ``auto``'s preference on CUDA, fastest first (module docstring).
 AUTO_ORDER = ("cudnn", "flash", "efficient", "math")
 NAMES = ("auto", *BACKENDS, "flash_attn")
-# ``flash_attn`` with FA4: torch's flash backend (now FA4's kernels) first, then ``auto``'s order
-# for the calls FA4 cannot serve (masks).
-FA4_ORDER = ("flash", "cudnn", "efficient", "math")
-FA4_MAJORS = (9, 10)  # compute capabilities with FA4 forward and backward kernels
-
 # ``set_priority`` (ordering, not just enabling, the backends) is newer than torch 2.5.
 _HAS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
@@ -80,41 +67,8 @@ def attention_context(backend: str, device: torch.device | str) -> AbstractConte
             return nullcontext()  # torch's default order (older torch cannot reorder)
         return sdpa_kernel([BACKENDS[n] for n in AUTO_ORDER], set_priority=True)
     if backend == "flash_attn":
-        if not uses_fa4(backend, device):
-            return FlashAttnMode(load_flash_attn())
-        if not _HAS_PRIORITY:
-            return sdpa_kernel([BACKENDS[FA4_ORDER[0]]])
-        return sdpa_kernel([BACKENDS[n] for n in FA4_ORDER], set_priority=True)
+        return FlashAttnMode(load_flash_attn())
     return sdpa_kernel([BACKENDS[backend]])
-
-
-def uses_fa4(backend: str, device: torch.device | str) -> bool:
-    """Whether ``attention_backend: backend`` runs FA4 on ``device`` (activating it if so).
-
-    Example:
-        >>> uses_fa4("flash_attn", "cpu")
-        False
-    """
-    return backend == "flash_attn" and activate_fa4(device)
-
-
-def activate_fa4(device: torch.device | str) -> bool:
-    """Make FA4 the kernels of torch's flash backend, where it can be; True if it now is.
-
-    Needs a Hopper or Blackwell GPU (FA4's backward has no kernels for older ones) and the
-    ``flash-attn-4`` package. Registration is process-wide and stays (``litegen.kernels.fa4``).
-
-    Example:
-        >>> if activate_fa4("cuda"):
-        ...     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        ...         out = F.scaled_dot_product_attention(q, k, v)  # FA4's kernel
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device)[0] not in FA4_MAJORS:
-        return False
-    return fa4.register()
 
 
 def load_flash_attn() -> Callable[..., Any]:
@@ -126,8 +80,7 @@ def load_flash_attn() -> Callable[..., Any]:
             continue
     raise ValueError(
         "optimization.kernels.attention_backend=flash_attn needs a FlashAttention package: "
-        "the flash-attn-4 extra on Hopper/Blackwell GPUs, else the flash-attn extra (see "
-        "docs/install.md), or use auto."
+        "the flash-attn extra (see docs/install.md), or use auto."
     )
 
 
@@ -188,7 +141,5 @@ __all__ = [
     "BACKENDS",
     "NAMES",
     "FlashAttnMode",
-    "activate_fa4",
     "attention_context",
-    "uses_fa4",
 ]

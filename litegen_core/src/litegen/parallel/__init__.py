@@ -1,17 +1,27 @@
 """Parallel strategies behind one interface (``Strategy``), chosen by name from the config.
 
-Modules load on demand so a DDP job never imports FSDP machinery.
+A strategy is one module and one line in :data:`STRATEGIES`; the config's
+``optimization.parallel.strategy`` accepts exactly these names. This package imports nothing at
+load (the config reads the names without torch), and a strategy's module loads only when a job
+uses it, so a DDP job never imports FSDP machinery.
+
+Example:
+    >>> from litegen.parallel import STRATEGIES, build_strategy
+    >>> strategy = build_strategy(plan, config.optimization)
+    >>> strategy.name
+    'ddp'
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from litegen.parallel.base import Strategy
-from litegen.parallel.plan import ParallelPlan
+if TYPE_CHECKING:
+    from litegen.parallel.base import Strategy
+    from litegen.parallel.plan import ParallelPlan
 
-# strategy name -> "module:Class"; a strategy is added by one line here and one module.
+# strategy name -> "module:Class"
 STRATEGIES: dict[str, str] = {
     "ddp": "litegen.parallel.ddp:DDPStrategy",
     "zero1": "litegen.parallel.zero1:Zero1Strategy",
@@ -21,21 +31,42 @@ STRATEGIES: dict[str, str] = {
     "hsdp": "litegen.parallel.fsdp2:HsdpStrategy",
 }
 
-__all__ = ["STRATEGIES", "ParallelPlan", "Strategy", "build_strategy"]
+__all__ = ["STRATEGIES", "ParallelPlan", "Strategy", "build_strategy", "strategy_class"]
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered under ``name`` (its module is imported now).
+
+    Example:
+        >>> strategy_class("fsdp2").master_weights
+        True
+    """
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"optimization.parallel.strategy {name!r} is unknown; use one of "
+            f"{', '.join(STRATEGIES)}."
+        )
+    module_name, class_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def build_strategy(plan: ParallelPlan, optimization: Any) -> Strategy:
-    """Instantiate the strategy the plan names.
+    """Instantiate the strategy the plan names, for one ``optimization`` section.
 
     Example:
         >>> build_strategy(plan, config.optimization).name
         'ddp'
     """
-    if plan.strategy not in STRATEGIES:
-        raise NotImplementedError(
-            f"optimization.parallel.strategy '{plan.strategy}' is not implemented yet; "
-            f"available: {', '.join(sorted(STRATEGIES))}."
-        )
-    module_name, class_name = STRATEGIES[plan.strategy].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(plan, optimization)
+    return strategy_class(plan.strategy)(plan, optimization)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Strategy":
+        from litegen.parallel.base import Strategy
+
+        return Strategy
+    if name == "ParallelPlan":
+        from litegen.parallel.plan import ParallelPlan
+
+        return ParallelPlan
+    raise AttributeError(f"module 'litegen.parallel' has no attribute {name!r}")

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from litegen.blocks import repeated_blocks
 from litegen.checkpoint.files import save_state
 from litegen.parallel.plan import ParallelPlan
 
@@ -50,7 +51,6 @@ class Strategy:
         >>> optimizer = strategy.wrap_optimizer(optimizer, model)
     """
 
-    name: ClassVar[str]
     # True when the EMA must be a copy of the model wrapped like it (see build_ema).
     ema_from_copy: ClassVar[bool] = False
     # True when the strategy applies optimization.optimizer.fp32_master_weights; the others
@@ -60,6 +60,7 @@ class Strategy:
     def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
         self.plan = plan
         self.optimization = optimization
+        self.name = plan.strategy  # the registry's name (litegen.parallel.STRATEGIES)
 
     # -- wrapping ---------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -84,12 +85,19 @@ class Strategy:
         from litegen.optim import configure_optimizer
 
         return configure_optimizer(
-            optimizer, self.optimization.optimizer, master_weights=self.master_weights
+            optimizer,
+            self.optimization.optimizer,
+            master_weights=self.master_weights,
+            strategy=f"strategy {self.name}",
         )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper this strategy added."""
         return model
+
+    def checkpoint_candidates(self, model: nn.Module) -> list[str]:
+        """The modules activation checkpointing chooses from: the model's repeated blocks."""
+        return repeated_blocks(model)
 
     # -- training step ----------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -157,7 +165,7 @@ class Strategy:
     def load_optimizer_file(self, optimizer, model: nn.Module, path: Path) -> None:
         """Load what :meth:`save_optimizer_file` (of any strategy) wrote: one full file, or a
         ZeRO manifest with its rank shards (saved at any world size)."""
-        from litegen.parallel.zero_state import load_optimizer_state
+        from litegen.checkpoint.zero_state import load_optimizer_state
 
         self.load_full_optimizer_state(optimizer, model, load_optimizer_state(path))
 

@@ -19,7 +19,6 @@ from litegen.parallel.base import Strategy
 class DDPStrategy(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` around the trainable model."""
 
-    name = "ddp"
     # Every rank steps the whole model, so every rank keeps every master (no sharding needed).
     master_weights: ClassVar[bool] = True
 

@@ -84,7 +84,6 @@ class Fsdp2Strategy(Strategy):
         >>> model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
     """
 
-    name: ClassVar[str] = "fsdp2"
     # The master step handles DTensor shards through to_local() (see litegen.optim).
     master_weights: ClassVar[bool] = True
 
@@ -134,6 +133,21 @@ class Fsdp2Strategy(Strategy):
         # fully_shard changes the module's class in place; there is no wrapper to peel off.
         return model
 
+    def checkpoint_candidates(self, model: nn.Module) -> list[str]:
+        """The planned sharding units, outermost callable ones, in forward order, so that a
+        checkpointed region is one unit's forward (its all-gather runs outside the recompute)."""
+        modules = dict(model.named_modules())
+        # Containers (ModuleList/ModuleDict) are never called, so checkpointing them does nothing;
+        # of nested units, the outer one saves more and contains the inner one's work.
+        units = [
+            u
+            for u in plan_units(model, self.optimization.parallel.fsdp2)
+            if not isinstance(modules[u], nn.ModuleList | nn.ModuleDict)
+        ]
+        outer = [u for u in units if not any(u.startswith(o + ".") for o in units)]
+        order = {n: i for i, n in enumerate(modules)}
+        return sorted(outer, key=order.__getitem__)
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return _no_gradient_sync(model)
 
@@ -167,8 +181,6 @@ class HsdpStrategy(Fsdp2Strategy):
         >>> HsdpStrategy(plan, config.optimization).mesh().mesh_dim_names
         ('replicate', 'shard')
     """
-
-    name: ClassVar[str] = "hsdp"
 
     def mesh(self) -> DeviceMesh:
         return hsdp_mesh(self.plan)

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from litegen.memory.blocks import repeated_blocks
+from litegen.blocks import repeated_blocks
 from litegen.module_paths import is_under, submodules_at
 
 _FIELD = "optimization.parallel.fsdp2"

@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from litegen.checkpoint import zero_state
 from litegen.optim import apply_backend, configure_optimizer, enable_master_weights
-from litegen.parallel import zero_state
 from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.buckets import (
     BucketedGradients,
@@ -84,8 +84,9 @@ class _Partition:
         self.buckets = build_buckets(
             self.group_params,
             bucket_bytes=settings.bucket_size_mb * BYTES_PER_MB,
-            dp_size=plan.dp_size,
-            dp_rank=plan.dp_rank,
+            # Over every rank, sequence-parallel ones included (see parallel/mesh.py).
+            dp_size=plan.world_size,
+            dp_rank=plan.rank,
             shard=not self.native,
             flatten=settings.normalize_parameter_layout,
         )
@@ -243,7 +244,6 @@ def _to_device(state: dict, device: torch.device) -> dict:
 class Zero1Strategy(Strategy):
     """Our bucketed ZeRO-1 (or ZeroRedundancyOptimizer, by ``parameter_sync``); see the module."""
 
-    name = "zero1"
     grad_mode: ClassVar[str] = "all_reduce"
     master_weights: ClassVar[bool] = True
 
@@ -332,7 +332,7 @@ class Zero1Strategy(Strategy):
 
     def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
         part = self._of(model, optimizer)[0]
-        gathered: list[list] = [None] * self.plan.dp_size
+        gathered: list[list] = [None] * self.plan.world_size
         dist.all_gather_object(gathered, part.local_pieces())
         state = zero_state.full_from_pieces((p for ps in gathered for p in ps), part.shapes)
         return zero_state.full_state(state, part.groups())

@@ -21,7 +21,6 @@ from litegen.parallel.zero1 import Zero1Strategy
 class Zero2Strategy(Zero1Strategy):
     """ZeRO-1 with reduce-scattered gradients: only the partition's gradients persist."""
 
-    name = "zero2"
     grad_mode: ClassVar[str] = "reduce_scatter"
 
     def __init__(self, plan, optimization) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from litegen.utils.config import MainConfig
+from litegen.config import MainConfig
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from litegen.checkpoint.api import CheckpointAPI
+from litegen.config import MainConfig
 from litegen.data import build_dataloader
 from litegen.ema import EMA
 from litegen.memory import apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
 from litegen.runtime import distributed
-from litegen.runtime.checkpoint_api import CheckpointAPI
 from litegen.runtime.prepare import PreparedModel, fqns_of, is_trainable, kind_of, owner_of
-from litegen.utils.config import MainConfig
 
 log = logging.getLogger("litegen")
 
@@ -65,6 +65,7 @@ class LiteGen(CheckpointAPI):
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
+        self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -91,12 +92,16 @@ class LiteGen(CheckpointAPI):
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
-        strategy = build_strategy(
-            ParallelPlan.build(
-                optimization.parallel.strategy, optimization.parallel, self.env, self.device
-            ),
-            optimization,
+        plan = ParallelPlan.build(
+            optimization.parallel.strategy, optimization.parallel, self.env, self.device
         )
+        if plan.sp_size != self.plan.sp_size:
+            raise ValueError(
+                f"optimization profile {profile!r} sets parallel.sp_size={plan.sp_size}, but the "
+                f"job's data loading was planned for sp_size={self.plan.sp_size}; use one "
+                "sp_size for every profile."
+            )
+        strategy = build_strategy(plan, optimization)
         results: list[Any] = list(objects)
         raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
         model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
@@ -108,9 +113,10 @@ class LiteGen(CheckpointAPI):
             for i, obj in enumerate(objects)
             if kinds[i] == "optimizer"
         }
+        lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model in zip(model_slots, raw_models, strict=True):
-            entry = self._prepare_model(model, strategy, optimization, first=not self.models)
+            entry = self._prepare_model(model, strategy, optimization, lab, first=not self.models)
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -119,6 +125,8 @@ class LiteGen(CheckpointAPI):
                 owner = owners[i]
                 entry = prepared[owner]
                 results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
+                if lab is not None:
+                    lab.configure_optimizer(results[i])
                 entry.optimizers.append(results[i])
             elif kind in ("dataset", "dataloader"):
                 results[i] = self._prepare_data(objects[i])
@@ -146,7 +154,7 @@ class LiteGen(CheckpointAPI):
             self._load_ema(entry, ema_cfg.resume_from)
 
     def _prepare_model(
-        self, model: nn.Module, strategy, optimization, *, first: bool
+        self, model: nn.Module, strategy, optimization, lab, *, first: bool
     ) -> PreparedModel:
         if first and self.config.init_from:
             self._load_into(model, self.config.init_from, what="init_from")
@@ -157,44 +165,41 @@ class LiteGen(CheckpointAPI):
             from litegen.kernels import apply_fused_layernorm
 
             apply_fused_layernorm(model)
-        if optimization.kernels.fused_gelu_mlp:
-            from litegen.kernels import apply_fused_gelu_mlp
-
-            fused = apply_fused_gelu_mlp(model)
-            log.info("%s: %d GELU MLPs fused", type(model).__name__, fused)
-            if not fused and is_trainable(model):
-                log.warning(
-                    "optimization.kernels.fused_gelu_mlp: %s has no Linear-GELU(tanh)-Linear MLP "
-                    "that can be fused (see docs/performance.md); nothing was fused.",
-                    type(model).__name__,
-                )
+        if lab is not None:
+            lab.swap_modules(model)
         if is_trainable(model):
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
                 # holds weights and never runs forward.
                 template = copy.deepcopy(model)
+            if strategy.plan.sp_size > 1:
+                self._apply_sequence_parallel(model, strategy.plan)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
-            memory = apply_memory_optimizations(model, optimization.memory, strategy=strategy)
+            memory = apply_memory_optimizations(
+                model,
+                optimization.memory,
+                candidates=strategy.checkpoint_candidates(model),
+                device=self.device,
+            )
             if memory.memory_budget is not None and not optimization.compile.enabled:
                 raise ValueError(
                     "optimization.memory.activation_checkpoint.policy memory_budget is carried "
                     "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
                     "or use policy ops (or block) without compile."
                 )
-            if optimization.memory.activation_checkpoint.enabled:
+            if memory.candidates or memory.memory_budget is not None:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
-                # After checkpointing (each compiled block holds its checkpoint) and before the
+                # After checkpointing (compiled inside each block's BlockForward) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
-                from litegen.kernels.attention import uses_fa4
 
                 compiled = compile_blocks(
                     model,
                     optimization.compile,
                     memory_budget=memory.memory_budget,
-                    pack_qkv=uses_fa4(optimization.kernels.attention_backend, self.device),
+                    block_contexts=self._compiled_block_contexts(strategy, lab),
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -202,6 +207,40 @@ class LiteGen(CheckpointAPI):
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
+        """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.
+
+        Its split and gather are hooks on module calls, which run outside the blocks' patched
+        ``forward`` (checkpoint, compile): a checkpointed block saves only its shard of the
+        sequence, and the collectives at the block boundaries stay out of compiled graphs. Its
+        attention wrappers sit inside the blocks, where recomputation and compile see them.
+        The plan names the user's module paths, before a wrapper renames them.
+        """
+        from litegen.parallel.mesh import sp_mesh
+        from litegen.parallel.sequence import apply_sequence_parallel, plan_for
+
+        if self._sp_group is None:
+            self._sp_group = sp_mesh(plan).get_group("sp")
+        apply_sequence_parallel(model, plan_for(model), self._sp_group)
+        log.info(
+            "%s: sequence parallel over %d ranks (data parallel over %d groups)",
+            type(model).__name__,
+            plan.sp_size,
+            plan.dp_size,
+        )
+
+    @staticmethod
+    def _compiled_block_contexts(strategy, lab) -> list[Any]:
+        """What each compiled block enters around its calls (``compile_blocks``)."""
+        contexts = []
+        if strategy.plan.sp_size > 1:
+            from litegen.parallel.sequence import compile_context
+
+            contexts.append(compile_context)
+        if lab is not None and (rows := lab.block_context()) is not None:
+            contexts.append(rows)
+        return contexts
 
     def _prepare_data(self, data: Any) -> Any:
         collate_fn = None
@@ -276,6 +315,20 @@ class LiteGen(CheckpointAPI):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _open_lab(optimization: Any) -> Any:
+    """The experimental features the config switches on (``litegen.experimental``), or None.
+
+    The one place the core reaches into the experimental area, and only when asked to.
+    """
+    from litegen.config import ExperimentalConfig
+
+    if optimization.experimental == ExperimentalConfig():
+        return None
+    from litegen.experimental import Lab
+
+    return Lab(optimization.experimental, optimization.compile.options)
 
 
 def initialize(config: MainConfig) -> LiteGen:

@@ -1,0 +1,247 @@
+"""The checkpoint half of the LiteGen object: single files, DCP folders, loads and resume.
+
+Mixed into :class:`litegen.runtime.litegen.LiteGen`, whose ``config``, ``ema``,
+``is_main_process``, ``models`` and ``_entry`` (the prepared model a call refers to) it uses.
+
+    gen.save_model(step=1000)                      # <checkpoint_dir>/<exp_name>_step1000.pth
+    gen.save_model_state("ckpt/1000", optimizer=optimizer, ema=True)   # sharded, reshards
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from litegen.checkpoint.files import (
+    check_model_state,
+    checkpoint_path,
+    load_state,
+    optimizer_path_for,
+    replace_dir,
+    save_state,
+)
+from litegen.checkpoint.run_state import Trainable
+
+if TYPE_CHECKING:
+    from litegen.runtime.prepare import PreparedModel
+
+log = logging.getLogger("litegen")
+
+
+class CheckpointAPI:
+    """``save_model``, ``save_optimizer``, ``save_ema``, ``save_model_state``, ``load`` & co.
+
+    Example:
+        >>> gen.save_optimizer(step=1000, state_format="full")
+    """
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _path(self, kind: str, output_folder, filename, step) -> Path:
+        return checkpoint_path(
+            kind,
+            default_folder=self.config.get_checkpoint_dir(),
+            exp_name=self.config.exp_name,
+            output_folder=output_folder,
+            filename=filename,
+            step=step,
+        )
+
+    def _write(self, state: dict, path: Path) -> Path:
+        if self.is_main_process:
+            save_state(state, path)
+            log.info("saved %s", path)
+        dist.barrier()
+        return path
+
+    def save_model(
+        self,
+        output_folder: str | None = None,
+        filename: str | None = None,
+        step: int | None = None,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """Gather the full model state; rank 0 writes one file. Call on every rank.
+
+        Example:
+            >>> gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
+        """
+        state = self.full_model_state(model)
+        return self._write(state, self._path("model", output_folder, filename, step))
+
+    def full_model_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The whole state of a prepared model (default: the first trainable one) on CPU.
+
+        Gathered from every rank's shard, so call it on every rank.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_model_state(model))
+        """
+        entry = self._entry(model)
+        return entry.strategy.full_model_state(entry.module)
+
+    def save_optimizer(
+        self,
+        output_folder: str | None = None,
+        filename: str | None = None,
+        step: int | None = None,
+        state_format: str = "auto",
+        model: nn.Module | None = None,
+    ) -> Path:
+        """Write the optimizer state of the (first trainable) model. Call on every rank.
+
+        ``state_format="full"`` always writes one consolidated file; ``"auto"`` lets a
+        sharding strategy write rank-local shards plus a manifest instead.
+        """
+        if state_format not in ("auto", "full"):
+            raise ValueError(f"state_format must be 'auto' or 'full', got {state_format!r}.")
+        entry = self._entry(model)
+        if not entry.optimizers:
+            raise ValueError("save_optimizer: no optimizer was prepared with this model.")
+        path = self._path("optimizer", output_folder, filename, step)
+        entry.strategy.save_optimizer_file(entry.optimizers[0], entry.module, path, state_format)
+        if self.is_main_process:
+            log.info("saved %s", path)
+        return path
+
+    def dcp_state(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> dict[str, Any]:
+        """The state dict torch.distributed.checkpoint saves and loads in place (sharded)."""
+        return self._trainable(model, optimizer, ema).dcp_state()
+
+    def save_model_state(
+        self,
+        path: str | Path,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> Path:
+        """Save sharded model/optimizer/EMA state with torch.distributed.checkpoint (a folder).
+
+        It reshards on load, so a run saved on 4 ranks loads on 2. The folder is written under
+        a temporary name and renamed into place once every rank is done. Call on every rank.
+
+        Example:
+            >>> gen.save_model_state("ckpt/step1000", optimizer=optimizer, ema=True)
+        """
+        import torch.distributed.checkpoint as dcp
+
+        state = self.dcp_state(model, optimizer, ema)
+        target = Path(path)
+        name = [f".{target.name}.partial-{uuid.uuid4().hex[:8]}"]
+        dist.broadcast_object_list(name, src=0)  # one temporary folder for every rank
+        partial = target.with_name(name[0])
+        dcp.save(state, checkpoint_id=str(partial))
+        dist.barrier()
+        if self.is_main_process:
+            replace_dir(partial, target)
+        dist.barrier()
+        return target
+
+    def load_model_state(
+        self,
+        path: str | Path,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> None:
+        """Load what :meth:`save_model_state` wrote, resharding to this job's layout."""
+        import torch.distributed.checkpoint as dcp
+
+        if not Path(path, ".metadata").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a complete distributed checkpoint (no .metadata file); "
+                "point to a folder written by gen.save_model_state."
+            )
+        target = self._trainable(model, optimizer, ema)
+        state = target.dcp_state()
+        dcp.load(state, checkpoint_id=str(path))
+        target.load_dcp_state(state)
+
+    def _trainable(self, model, optimizer, ema) -> Trainable:
+        entry = self._entry(model)
+        return Trainable(entry.module, optimizer, entry.strategy, self.ema if ema else None)
+
+    def save_ema(
+        self, output_folder: str | None = None, filename: str | None = None, step: int | None = None
+    ) -> Path:
+        """Write the EMA weights as one full file. Call on every rank."""
+        return self._write(self.full_ema_state(), self._path("ema", output_folder, filename, step))
+
+    def full_ema_state(self) -> dict[str, torch.Tensor]:
+        """The whole EMA model state on CPU, keyed like the model. Call on every rank.
+
+        Raises ``ValueError`` without an EMA; ``full_sampling_state`` falls back to the model.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_ema_state())
+        """
+        if self.ema is None:
+            raise ValueError("the EMA needs ema.enable: true and a prepared trainable model.")
+        return self.ema.state_dict()
+
+    def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The weights to sample with: the EMA's when ``ema.enable``, else the model's.
+
+        Example:
+            >>> sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
+        """
+        return self.full_ema_state() if self.ema is not None else self.full_model_state(model)
+
+    def load(self, model: nn.Module, path: str | Path) -> None:
+        """Load full model weights (.pth or .safetensors) into a prepared model."""
+        entry = self._entry(model)
+        state = load_state(path, what="model")
+        # The strategy's sharded state has every key at its global shape; the unwrapped module's
+        # own state_dict() does not under FSDP1 (flat shards, and it breaks FSDP1's lazy init).
+        check_model_state(entry.strategy.dcp_state(entry.module)["model"], state, path)
+        entry.strategy.load_full_model_state(entry.module, state)
+
+    def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:
+        state = load_state(path, what=what)
+        check_model_state(model.state_dict(), state, path)
+        model.load_state_dict(state)
+
+    def _load_ema(self, entry: PreparedModel, path: str) -> None:
+        """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
+        state = load_state(path, what="ema.resume_from")
+        model = entry.strategy.unwrap(entry.module)
+        expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        check_model_state(expected, state, path)
+        self.ema.load_state_dict(state)
+
+    def trainables(self) -> list[Trainable]:
+        """What a run checkpoint holds: each trainable model with its optimizer; the EMA goes
+        with the first one.
+
+        Example:
+            >>> RunCheckpointer(gen.trainables, "results/dit").save(1000, state, files)
+        """
+        found = []
+        for i, entry in enumerate(m for m in self.models if m.trainable):
+            if len(entry.optimizers) > 1:
+                raise ValueError(
+                    "run checkpoints hold one optimizer per trainable model; this model has "
+                    f"{len(entry.optimizers)}. Use one optimizer with several param groups."
+                )
+            optimizer = entry.optimizers[0] if entry.optimizers else None
+            ema = self.ema if i == 0 else None
+            found.append(Trainable(entry.module, optimizer, entry.strategy, ema))
+        return found
+
+    def _resume(self, model_path: str) -> None:
+        entry = self._entry()
+        self.load(entry.module, model_path)
+        if entry.optimizers:
+            entry.strategy.load_optimizer_file(
+                entry.optimizers[0], entry.module, optimizer_path_for(model_path)
+            )

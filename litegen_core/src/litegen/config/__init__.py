@@ -1,0 +1,60 @@
+"""LiteGen's typed configuration (Pydantic v2), importable without torch.
+
+    from litegen.config import MainConfig
+
+    config = MainConfig.load_yaml("recipe.yaml")
+    config.optimization.parallel.strategy          # "ddp"
+
+``MainConfig`` lives in :mod:`litegen.config.main`, the ``Config``/``Section`` bases and the
+error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.config.sections`.
+The spec's import path, ``litegen.utils.config``, re-exports this package.
+"""
+
+from litegen.config.base import Config, ConfigError, Section
+from litegen.config.main import MainConfig, YamlLoader
+from litegen.config.sections import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    DistributedConfig,
+    Dtype,
+    EMAConfig,
+    ExperimentalConfig,
+    FSDP2Config,
+    FSDP2MixedConfig,
+    KernelsConfig,
+    MemoryConfig,
+    OptimizationConfig,
+    OptimizationProfile,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RuntimeConfig,
+    TrainerConfig,
+    Zero1Config,
+)
+
+__all__ = [
+    "ActivationCheckpointConfig",
+    "CompileConfig",
+    "Config",
+    "ConfigError",
+    "DistributedConfig",
+    "Dtype",
+    "EMAConfig",
+    "ExperimentalConfig",
+    "FSDP2Config",
+    "FSDP2MixedConfig",
+    "KernelsConfig",
+    "MainConfig",
+    "MemoryConfig",
+    "OptimizationConfig",
+    "OptimizationProfile",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RuntimeConfig",
+    "Section",
+    "TrainerConfig",
+    "YamlLoader",
+    "Zero1Config",
+]

@@ -1,0 +1,393 @@
+"""The typed sections of ``MainConfig`` (runtime, optimization and its profiles, EMA, trainer).
+
+Import the public names from :mod:`litegen.config`; this module only exists to keep
+each file readable. It must never import torch (the CLI imports it for fast validation).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, create_model, field_validator, model_validator
+
+from litegen.config.base import ConfigError, ProfileSection, Section
+from litegen.parallel import STRATEGIES
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+"""Names accepted by every dtype field."""
+
+StrategyName = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
+"""The registered parallel strategies (:data:`litegen.parallel.STRATEGIES`)."""
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class DistributedConfig(Section):
+    """Process-group settings (``runtime.distributed``)."""
+
+    backend: str | None = Field(None, description="None: nccl on CUDA, gloo on CPU")
+    dist_url: str = "env://"
+    dist_timeout: int = Field(1800, ge=1, description="seconds")
+
+
+class RuntimeConfig(Section):
+    """Device and distributed environment (``runtime``)."""
+
+    device: Literal["cuda", "cpu", "npu"] | None = Field(
+        None, description="None: cuda when available, otherwise cpu"
+    )
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+
+# --------------------------------------------------------------------------- optimization
+
+
+class Zero1Config(Section):
+    """Options of the ``zero1`` strategy (``optimization.parallel.zero1``)."""
+
+    bucket_size_mb: int = Field(64, ge=1)
+    parameter_sync: Literal["bucketed", "native", "native_bucket_view"] = "bucketed"
+    overlap_comm: bool = True
+    release_grad_buffer: bool = True
+    normalize_parameter_layout: bool = False
+
+
+class FSDP2Config(Section):
+    """Options of the ``fsdp2``/``hsdp`` strategies (``optimization.parallel.fsdp2``)."""
+
+    wrap_strategy: Literal["manual", "repeated", "size_based", "class_based"] = "repeated"
+    wrap_paths: list[str] = Field(default_factory=list)
+    wrap_class_names: list[str] = Field(default_factory=list)
+    min_num_params: int = Field(1, ge=1)
+    exclude_paths: list[str] = Field(default_factory=list)
+    reshard_after_forward: bool | int | None = None
+    root_reshard_after_forward: bool | int | None = None
+    last_unit_reshard_after_forward: bool | int | None = None
+    allow_empty_param_unit_sharding: bool = False
+
+
+class ParallelConfig(Section):
+    """Parallel strategy and degrees (``optimization.parallel``)."""
+
+    strategy: StrategyName = "ddp"
+    zero1: Zero1Config = Field(default_factory=Zero1Config)
+    fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
+    sp_size: int = Field(1, ge=1)
+    cp_size: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tensor_or_pipeline_parallelism(cls, data: Any) -> Any:
+        named = [key for key in ("tp_size", "pp_size") if isinstance(data, Mapping) and key in data]
+        if named:
+            raise ValueError(
+                f"{' and '.join(named)}: LiteGen has no tensor or pipeline parallelism; remove "
+                f"{'them' if len(named) > 1 else 'it'} (data and sequence parallelism: strategy "
+                "and sp_size)."
+            )
+        return data
+
+
+class FSDP2MixedConfig(Section):
+    """FSDP2 mixed-precision policy (``optimization.precision.fsdp2_mixed``)."""
+
+    param_dtype: Dtype | None = None
+    reduce_dtype: Dtype | None = None
+    output_dtype: Dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+PRECISION_PRESETS: dict[str, dict[str, Any]] = {
+    # Parameters stored (and gathered, and reduced) in bf16, stepped through FP32 masters; the
+    # forward runs under bf16 autocast (MainConfig sets trainer.autocast).
+    "bf16-mixed": {
+        "precision": {"cast_model": "bf16"},
+        "optimizer": {"fp32_master_weights": True},
+    },
+}
+"""``optimization.precision.preset`` -> the optimization fields it sets (unless set explicitly)."""
+
+
+class PrecisionConfig(Section):
+    """Model dtype cast and mixed precision (``optimization.precision``)."""
+
+    preset: Literal[tuple(PRECISION_PRESETS)] | None = None  # type: ignore[valid-type]
+    """A named combination of the fields below, ``optimizer.fp32_master_weights`` and
+    ``trainer.autocast``; fields written in the config win over it."""
+    cast_model: Dtype | None = None
+    cast_exclude_paths: list[str] = Field(default_factory=list)
+    fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
+    allow_tf32: bool = True
+
+
+class OptimizerConfig(Section):
+    """Optimizer wrapping options (``optimization.optimizer``)."""
+
+    fp32_master_weights: bool = False
+    backend: Literal["single_tensor", "foreach", "fused"] = "single_tensor"
+
+
+class CompileConfig(Section):
+    """Regional ``torch.compile`` of the repeated blocks (``optimization.compile``).
+
+    ``dynamic: null`` bounds recompiles for variable resolutions (see docs/performance.md).
+    """
+
+    enabled: bool = False
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        "default"
+    )
+    dynamic: bool | None = False
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Inductor options passed as ``torch.compile(options=...)``, e.g.
+    ``coordinate_descent_tuning: true``; torch allows them only with ``mode: default``."""
+
+
+class ActivationCheckpointConfig(Section):
+    """Activation checkpointing (``optimization.memory.activation_checkpoint``)."""
+
+    enabled: bool = False
+    selective_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        1.0, description="share left uncheckpointed; auto: the least that fits the budget"
+    )
+    """``auto`` measures the first training step (every candidate checkpointed) and, from the
+    second step, checkpoints the fewest blocks whose estimated peak fits ``memory_budget_gib``
+    (or ``memory_budget_fraction`` of the device), offloading only if ``activation_offload``
+    allows it and checkpointing alone does not fit."""
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="selective_ratio auto: peak device memory to fit, in GiB"
+    )
+    memory_budget_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="selective_ratio auto without memory_budget_gib"
+    )
+    target_paths: list[str] = Field(default_factory=list)
+    policy: Literal["block", "ops", "ops_lean", "memory_budget"] = "block"
+    """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the
+    rest; ``ops_lean`` also recomputes matmuls that widen their input 4x (MLP up-projections);
+    ``memory_budget`` (needs ``optimization.compile``) lets compile's partitioner choose what
+    every compiled block saves, within ``memory_budget``."""
+    memory_budget: float = Field(
+        0.5, ge=0.0, le=1.0, description="policy memory_budget: 0 saves least, 1 as compile does"
+    )
+    inside_compile: bool = True
+    """With ``optimization.compile``: ``true`` compiles each block with its checkpoint inside
+    (compile's partitioner plans the recompute; op-level policies need it), ``false``
+    checkpoints the compiled block from outside (as ``checkpoint_wrapper(compiled_block)``)."""
+
+    @model_validator(mode="after")
+    def _auto_rules(self) -> ActivationCheckpointConfig:
+        fields = type(self).model_fields
+        budget_fields = [
+            name
+            for name in ("memory_budget_fraction", "memory_budget_gib")
+            if getattr(self, name) != fields[name].default
+        ]
+        if self.selective_ratio != "auto" and budget_fields:
+            raise ValueError(
+                f"{', '.join(budget_fields)} sets the budget of selective_ratio: auto, "
+                f"and selective_ratio is {self.selective_ratio}; set selective_ratio: auto, or "
+                "remove the budget."
+            )
+        if self.selective_ratio == "auto" and self.policy != "block":
+            raise ValueError(
+                "selective_ratio: auto chooses how many blocks to checkpoint whole, and policy is "
+                f"{self.policy}; use policy: block with auto, or a number for selective_ratio."
+            )
+        if not self.inside_compile and self.policy in ("ops", "ops_lean"):
+            raise ValueError(
+                f"policy {self.policy} chooses ops inside the compiled block, which it sees only "
+                "with the checkpoint inside compile; set inside_compile: true, or policy: block."
+            )
+        return self
+
+
+class MemoryConfig(Section):
+    """Memory savers (``optimization.memory``)."""
+
+    activation_checkpoint: ActivationCheckpointConfig = Field(
+        default_factory=ActivationCheckpointConfig
+    )
+    activation_offload: bool = False
+    """Offload the saved activations of the candidate blocks to pinned host memory:
+    checkpointed blocks' inputs, everything other blocks save (the last block keeps its own).
+    Needs no checkpointing; with ``selective_ratio: auto`` it lets the planner offload when
+    checkpointing alone cannot meet the budget."""
+
+
+class KernelsConfig(Section):
+    """Kernel replacements (``optimization.kernels``)."""
+
+    fused_layernorm: bool = False
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = "auto"
+    """Scaled-dot-product-attention kernel for the run (see ``litegen.kernels.attention``)."""
+
+
+class ExperimentalConfig(Section):
+    """Kernels that patch private or beta APIs (``optimization.experimental``), all off.
+
+    Each runs only on the torch release it was tested on and otherwise steps aside with a
+    one-line warning (``litegen.experimental``).
+    """
+
+    persistent_rows: int | None = Field(None, ge=1)
+    """Forward row reductions (norms) up to this many elements compile as one-pass (persistent)
+    Triton kernels with fixed launch configs; ``None`` keeps inductor's limit, 1024. Needs
+    ``optimization.compile.enabled``."""
+    fused_gelu_mlp: bool = False
+    """Linear-GELU(tanh)-Linear MLPs with the GELU in cuBLASLt's GEMM epilogues (CUDA)."""
+    master_adamw: bool = False
+    """FP32 master weights stepped by one Triton kernel for all parameters (CUDA, AdamW with
+    ``optimizer.fp32_master_weights`` and ``backend: fused``)."""
+
+
+@functools.cache
+def profile_model(section: type[Section]) -> type[ProfileSection]:
+    """Partial twin of ``section``: same fields and constraints, all optional.
+
+    Defaults are ``None`` and never validated, so an explicit ``null`` is still checked
+    against the real type. ``profile_model(OptimizationConfig)`` is ``OptimizationProfile``.
+    """
+    fields: dict[str, Any] = {}
+    for name, info in section.model_fields.items():
+        if name == "profiles":
+            continue
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            fields[name] = (profile_model(ann), Field(None, description=info.description))
+        else:
+            if info.metadata:
+                ann = Annotated[(ann, *info.metadata)]
+            fields[name] = (ann, Field(None, description=info.description))
+    name = section.__name__.removesuffix("Config") + "Profile"
+    doc = f"Partial ``{section.__name__}`` inside ``optimization.profiles``."
+    return create_model(name, __base__=ProfileSection, __doc__=doc, **fields)
+
+
+def value_at(data: Any, *keys: str) -> Any:
+    """``data[k0][k1]...`` of nested mappings, or None where a level is missing."""
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+class OptimizationConfig(Section):
+    """Performance options (``optimization``); ``profiles`` holds named partial overrides."""
+
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
+    profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_precision_preset(cls, data: Any) -> Any:
+        preset = value_at(data, "precision", "preset")
+        if preset not in PRECISION_PRESETS:
+            return data  # None, or a name the field's own validation rejects
+        return _deep_merge(PRECISION_PRESETS[preset], data)
+
+    def resolve(self, profile: str | None = None) -> OptimizationConfig:
+        """General settings for ``None``, else the profile merged over them.
+
+        >>> opt = OptimizationConfig(profiles={"frozen": {"memory": {"activation_offload": True}}})
+        >>> opt.resolve("frozen").memory.activation_offload, opt.resolve(None) is opt
+        (True, True)
+        """
+        if profile is None:
+            return self
+        if profile not in self.profiles:
+            available = ", ".join(repr(p) for p in self.profiles) or "none defined"
+            raise ValueError(
+                f"Unknown optimization profile {profile!r}; available profiles: {available}"
+            )
+        # Only what was written merges, so the result still knows which fields were set.
+        base = self.model_dump(exclude_unset=True)
+        base.pop("profiles", None)
+        merged = _deep_merge(base, self.profiles[profile].model_dump(exclude_unset=True))
+        try:
+            return type(self).model_validate(merged)
+        except ConfigError as exc:
+            raise exc.with_prefix("optimization", "profiles", profile) from None
+
+    @field_validator("experimental")
+    @classmethod
+    def _persistent_rows_needs_compile(cls, value: ExperimentalConfig, info: Any) -> Any:
+        compile_cfg = info.data.get("compile")
+        if value.persistent_rows is not None and compile_cfg and not compile_cfg.enabled:
+            raise ValueError(
+                "persistent_rows changes the kernels that compile generates, and compile is off; "
+                "set optimization.compile.enabled: true, or leave persistent_rows unset."
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _profiles_resolve(self) -> OptimizationConfig:
+        # A profile is partial, so rules across fields (experimental.persistent_rows needs
+        # compile.enabled) can be checked only once it is merged over the general settings.
+        # Merge each one now, so that a broken profile fails at load, not when a model uses it.
+        for name in self.profiles:
+            try:
+                self.resolve(name)
+            except ConfigError as exc:
+                raise ValueError("; ".join(f"{p}: {m}" for p, m in exc.problems)) from None
+        return self
+
+
+OptimizationProfile = profile_model(OptimizationConfig)
+OptimizationConfig.model_rebuild()
+
+
+# --------------------------------------------------------------------------- ema, trainer
+
+
+class EMAConfig(Section):
+    """Exponential moving average of the trainable model (``ema``)."""
+
+    enable: bool = False
+    sharded: bool = True
+    decay: float = Field(0.9999, ge=0.0, le=1.0)
+    resume_from: str | None = None
+
+
+class TrainerConfig(Section):
+    """Training-loop settings read by LiteGen's trainer (``trainer``)."""
+
+    grad_accum_steps: int = Field(1, ge=1)
+    max_grad_norm: float | None = Field(None, gt=0)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="0: no periodic checkpoint")
+    save_final: bool = True
+    keep_last: int | None = Field(None, ge=1, description="None: keep every checkpoint")
+    async_checkpoint: bool = Field(
+        False, description="write run checkpoints in the background (dcp.async_save)"
+    )
+    resume_run: str | None = Field(
+        None, description="run checkpoint (step_<N> folder or checkpoint_dir) to continue from"
+    )
+    on_nan: Literal["abort", "skip"] = "abort"
+    autocast: Literal["bf16", "fp16"] | None = None
+    peak_tflops: float | None = Field(
+        None, gt=0, description="peak FLOP/s per GPU for MFU; None: the known-GPU table"
+    )
+    tokens_per_sample: int | None = Field(
+        None, ge=1, description="for tokens/s; None: the model's tokens_per_sample, if any"
+    )

@@ -1,0 +1,52 @@
+"""The experimental door: config switches features on, other torch releases turn them off."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import litegen
+from litegen import experimental
+from litegen.config import ExperimentalConfig, MainConfig
+from litegen.experimental import TESTED_TORCH, Lab, available, torch_release
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(experimental, "_warned", set())
+
+
+def test_a_feature_steps_aside_with_one_warning_on_an_untested_torch(monkeypatch):
+    monkeypatch.setitem(TESTED_TORCH, "master_adamw", ("0.1",))
+    with pytest.warns(UserWarning, match=r"experimental.master_adamw is tested on torch 0.1"):
+        assert not available("master_adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per feature, not per call
+        assert not available("master_adamw")
+
+
+def test_a_feature_runs_on_the_release_it_was_tested_on(monkeypatch):
+    monkeypatch.setitem(TESTED_TORCH, "master_adamw", (torch_release(),))
+    optimizer = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    Lab(ExperimentalConfig(master_adamw=True)).configure_optimizer(optimizer)
+    from litegen.experimental.master_adamw import one_pass_step
+
+    assert optimizer._litegen_master_kernel is one_pass_step
+
+
+def test_prepare_opens_the_door_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setitem(TESTED_TORCH, "master_adamw", ("0.1",))
+    base = {"results_dir": str(tmp_path), "runtime": {"device": "cpu"}}
+    gen = litegen.initialize(MainConfig.from_dict(base))
+    model = nn.Linear(4, 4)
+    _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert not hasattr(optimizer, "_litegen_master_kernel")
+    asked = {**base, "optimization": {"experimental": {"master_adamw": True}}}
+    gen = litegen.initialize(MainConfig.from_dict(asked))
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="master_adamw"):
+        _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert not hasattr(optimizer, "_litegen_master_kernel")  # stepped aside; training goes on
