@@ -1,4 +1,4 @@
-"""Real diffusers transformers under every strategy (gloo, CPU ranks): losses equal DDP's.
+"""Real diffusers transformers under every strategy (gloo, CPU ranks): they train as DDP does.
 
 The eight architectures of ``scripts/real_models.py`` at their tiny sizes train a few steps
 under ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from litegen.blocks import repeated_blocks
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import TinyDiT
 from tests.distributed.runs import full_weights
@@ -79,8 +80,11 @@ class SampleDataset(torch.utils.data.Dataset):
 
 
 def config_for(strategy: str, results: str, optimization: dict | None = None):
+    """The test run's config; ``optimization`` sections go over it (``parallel`` merged)."""
     from litegen.utils.config import MainConfig
 
+    optimization = dict(optimization or {})
+    parallel = {"strategy": strategy} | optimization.pop("parallel", {})
     return MainConfig.from_dict(
         {
             "runtime": {"device": "cpu"},
@@ -88,7 +92,7 @@ def config_for(strategy: str, results: str, optimization: dict | None = None):
             "global_batch_size": GLOBAL_BATCH,
             "max_steps": STEPS,
             "trainer": {"log_every": 1, "save_final": False},
-            "optimization": {"parallel": {"strategy": strategy}} | (optimization or {}),
+            "optimization": {"parallel": parallel} | optimization,
         }
     )
 
@@ -153,19 +157,29 @@ class HiddenCall(TinyDiT):
         return out + layer(torch.zeros(out.shape[0], out.shape[-1] * 4)).mean()
 
 
+# What the fsdp2 error tells the user to set for HiddenCall (a unit of its own for the layer).
+HIDDEN_FIX = {
+    "wrap_strategy": "manual",
+    "wrap_paths": ["blocks.0.ada", "blocks.0", "blocks.1", "blocks.2"],
+}
+
+
 def hidden_call_errors(results: str) -> dict[str, str]:
-    """The error a forward of :class:`HiddenCall` raises under each sharding strategy."""
+    """What a forward and backward of :class:`HiddenCall` raise under each sharding strategy,
+    and under fsdp2 with the units the fsdp2 error suggests."""
     import litegen
 
     errors = {}
-    for strategy in ("fsdp1", "fsdp2"):
-        gen = litegen.initialize(config_for(strategy, results))
+    runs = {"fsdp1": {}, "fsdp2": {}, "fsdp2 fixed": {"parallel": {"fsdp2": HIDDEN_FIX}}}
+    for run, optimization in runs.items():
+        strategy = run.split()[0]
+        gen = litegen.initialize(config_for(strategy, results, optimization))
         model = gen.prepare(HiddenCall())
         try:
-            model(torch.randn(2, 4, 8))
-            errors[strategy] = "no error"
+            model(torch.randn(2, 4, 8)).sum().backward()
+            errors[run] = f"no error under {gen.models[-1].strategy.name}"
         except Exception as err:
-            errors[strategy] = f"{type(err).__name__}: {err}"
+            errors[run] = f"{type(err).__name__}: {err}"
     return errors
 
 
@@ -216,9 +230,8 @@ def test_hsdp_matches_ddp(four_ranks, name):
 
 
 def assert_option_applied(got: dict, name: str, option: str) -> None:
-    blocks = 2 * (1 + (name in ("flux", "hunyuan_video")))  # tiny configs: 2 of each kind
-    if name == "hunyuan_video":
-        blocks += 2  # and the text refiner's two blocks
+    """The option reached every repeated block (checkpointed, offloaded or compiled)."""
+    blocks = len(repeated_blocks(REAL_MODELS[name].build("tiny")))
     if option == "compile":
         assert got["compiled"] == blocks and got["checkpointed"] == 0
     else:
@@ -241,5 +254,9 @@ def test_a_call_the_reading_misses_raises_one_clear_error(two_ranks, strategy):
     message = two_ranks["hidden"][strategy]
     assert message.startswith(f"ValueError: {strategy}: blocks.0.ada ran outside its sharding ")
     assert "unit blocks.0 (called from HiddenCall.forward)" in message
-    fix = "get_fsdp_wrap_module_list()" if strategy == "fsdp1" else "wrap_paths: ['blocks.0.ada'"
-    assert fix in message
+    fix = "get_fsdp_wrap_module_list()" if strategy == "fsdp1" else HIDDEN_FIX["wrap_paths"]
+    assert str(fix) in message
+
+
+def test_the_suggested_units_fix_the_call(two_ranks):
+    assert two_ranks["hidden"]["fsdp2 fixed"] == "no error under fsdp2"
