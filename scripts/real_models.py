@@ -76,6 +76,12 @@ class RealModel:
     def shape(self, size: Size = "tiny") -> LatentShape:
         return self.reference_shape if size == "reference" else self.tiny_shape
 
+    def model_class(self) -> type[nn.Module]:
+        """The diffusers class (importing it takes seconds: do it before forking ranks)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
     def build(self, size: Size = "tiny", seed: int = 0, **overrides: Any) -> nn.Module:
         """The model with random weights; the same weights for the same seed.
 
@@ -83,10 +89,8 @@ class RealModel:
             >>> REAL_MODELS["wan"].build("tiny", num_layers=3).config.num_layers
             3
         """
-        import diffusers
-
         torch.manual_seed(seed)
-        return getattr(diffusers, self.class_name)(**(self.config(size) | overrides))
+        return self.model_class()(**(self.config(size) | overrides))
 
     def batch(
         self,
