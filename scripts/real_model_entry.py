@@ -10,7 +10,7 @@
       samples: 256          # dataset size (synthetic samples, made once, held in memory)
       profile_steps: [20, 23]   # optional: trace steps [20, 23) with torch.profiler
 
-The model has random weights (nothing is downloaded) and sits on the device before AdamW
+The model has random weights (nothing is downloaded), made on the device, before AdamW
 (``fused=True`` on CUDA) is built over it. The loss is the zoo's flow-matching MSE. ``finish``
 writes ``summary.json`` to the results folder: the peak memory, and where the profiled steps'
 time went when ``profile_steps`` is set (``step_profile.py``).
@@ -61,7 +61,8 @@ def build(config: Any) -> dict:
     if getattr(bench, "frames", None):
         shape = dataclasses.replace(shape, frames=bench.frames)
     device = device_of(config)
-    model = spec.build(bench.size, seed=config.global_seed).to(device)
+    with device:  # initialised where it trains: a CPU init of billions of weights takes long
+        model = spec.build(bench.size, seed=config.global_seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=0.0, fused=device.type == "cuda"
     )
