@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 GAP_US = 20.0  # shorter GPU gaps are launch latency between queued kernels
+TOP_KERNELS = 8
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -54,6 +55,10 @@ def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
         if gap > GAP_US:
             gaps.append((gap, before["name"][:60], after["name"][:60]))
     gaps.sort(reverse=True)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"]
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     per_step = 1e3 * steps
     return {
         "steps": steps,
@@ -65,19 +70,27 @@ def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
         "host_syncs_per_step": len(syncs) / steps,
         "sync_calls": sorted({e["name"] for e in syncs}),
         "longest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:5]],
+        # Which kernels ran (the attention kernel each side picked, say), in ms per step.
+        "top_kernels_ms": {name: us / per_step for name, us in top},
     }
 
 
 def describe(profile: dict[str, Any]) -> str:
-    """One line of the figures, in ms per step."""
+    """The figures in ms per step: one line, then the top kernels and the longest gaps."""
     if not profile:
         return "no trace"
     figures = [
         f"{k.removesuffix('_ms')} {v:.2f}"
         for k, v in profile.items()
-        if k.endswith("_ms") and v is not None
+        if k.endswith("_ms") and isinstance(v, float)
     ]
-    return (
+    lines = [
         f"ms/step: {', '.join(figures)}; host syncs/step {profile['host_syncs_per_step']:.1f} "
         f"{profile['sync_calls']}"
-    )
+    ]
+    lines += [f"  kernel {ms:8.2f} ms  {name}" for name, ms in profile["top_kernels_ms"].items()]
+    lines += [
+        f"  gap {g['us']:8.1f} us  after {g['after']}  before {g['before']}"
+        for g in profile["longest_gaps"]
+    ]
+    return "\n".join(lines)

@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,13 +123,7 @@ class Trainer:
         kwargs = self._step_kwargs
         if self._wants_step:
             kwargs = {**kwargs, "step": self.step}
-        with ExitStack() as stack:
-            stack.enter_context(self.throughput.count())
-            if not last:
-                for model in self.models:
-                    stack.enter_context(self.gen.no_sync(model))
-            if self._autocast is not None:
-                stack.enter_context(torch.autocast(self.gen.device.type, dtype=self._autocast))
+        with self._micro_contexts(last):
             try:
                 loss = self.train_step(batch, **kwargs)
             except RuntimeError as exc:
@@ -144,6 +138,17 @@ class Trainer:
                 )
             (loss / accum if accum > 1 else loss).backward()
         return loss.detach().float()
+
+    def _micro_contexts(self, last: bool) -> contextlib.AbstractContextManager:
+        """FLOP counting (first step), ``no_sync`` (all but the last micro-batch), autocast."""
+        contexts = [self.throughput.count()] if self.throughput.counting else []
+        if not last:
+            contexts += [self.gen.no_sync(model) for model in self.models]
+        if self._autocast is not None:
+            contexts.append(torch.autocast(self.gen.device.type, dtype=self._autocast))
+        if len(contexts) < 2:  # the common case: no stack to build
+            return contexts[0] if contexts else contextlib.nullcontext()
+        return _all_of(contexts)
 
     def _optimizer_step(self) -> torch.Tensor | None:
         """Clip, step, schedule, EMA; returns the gradient norm (on the device) when clipping."""
@@ -239,9 +244,10 @@ class Trainer:
                         self.save_run_checkpoint()
                 self._write_records(pending, metrics, window, losses, wait=True)
             except BaseException:
-                # What had arrived before the failure (a non-finite loss, say) is still written.
+                # The records queued before the failure (a non-finite loss, say) are still
+                # written, unless the device itself failed.
                 with contextlib.suppress(Exception):
-                    self._write_records(pending, metrics, window, losses, wait=False)
+                    self._write_records(pending, metrics, window, losses, wait=True)
                 raise
         self.loss_guard.raise_if_nonfinite()  # the last steps' deferred checks
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
@@ -359,6 +365,14 @@ class Trainer:
         self.gen.save_optimizer(step=step)
         if self.gen.ema is not None:
             self.gen.save_ema(step=step)
+
+
+@contextlib.contextmanager
+def _all_of(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _cast_model_hint(config: MainConfig, exc: RuntimeError) -> str | None:
