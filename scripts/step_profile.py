@@ -48,6 +48,7 @@ def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
         return {}
     wall_us = max(stop for _, stop in spans) - min(start for start, _ in spans)
     syncs = [e for e in timed if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
+    sync_us = sum(e["dur"] for e in syncs)
     busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     gaps = []
     for before, after in pairwise(kernels):
@@ -66,7 +67,8 @@ def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
         "gpu_busy_ms": busy_us / per_step if kernels else None,
         "gpu_idle_ms": (wall_us - busy_us) / per_step if kernels else None,
         "gpu_gaps_over_20us_ms": sum(g for g, _, _ in gaps) / per_step if kernels else None,
-        "host_sync_ms": sum(e["dur"] for e in syncs) / per_step,
+        "host_sync_ms": sync_us / per_step,
+        "host_busy_ms": (wall_us - sync_us) / per_step,  # queuing work, not waiting on the GPU
         "host_syncs_per_step": len(syncs) / steps,
         "sync_calls": sorted({e["name"] for e in syncs}),
         "longest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:5]],
