@@ -161,7 +161,11 @@ def main() -> None:
     medians = statistics.median(r["ratio"] for r in rows)
     print(f"median launch / hand: {medians:.3f}")
     if args.out is not None:
-        args.out.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1))
+        import diffusers
+        import torch
+
+        versions = {"torch": torch.__version__, "diffusers": diffusers.__version__}
+        args.out.write_text(json.dumps({"argv": sys.argv[1:], **versions, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ same dataset and batch size, with the recipe's autocast, gradient clipping, regi
 
 Each step's end is timed without a host sync (a CUDA event, or the host clock on CPU), and
 ``<results_dir>/metrics.jsonl`` gets one record per step in the trainer's format (``step``,
-``samples_per_s``, and ``loss`` on logged steps). ``train_step`` also gets ``config`` and
+``time`` when it ended, ``samples_per_s``, and ``loss`` on logged steps). ``train_step`` also gets ``config`` and
 ``step`` (the steps done before it), and the entry's ``finish`` runs at the end, both as
 ``litegen launch`` passes them, so the entry module may take them (with ``**_`` for the rest).
 
@@ -47,10 +47,13 @@ def compile_blocks_by_hand(model: nn.Module, dynamic: bool | None) -> int:
 
 
 class StepClock:
-    """End times of steps: CUDA events (read once, at the end) or the host clock on CPU."""
+    """Wall times of step ends: CUDA events (read once, at the end) or the host clock on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)  # the first event's wall time is now
+        self.origin = time.time()
         self.marks: list[Any] = []
         self.mark()
 
@@ -60,14 +63,15 @@ class StepClock:
             event.record()
             self.marks.append(event)
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.time())
 
-    def durations(self) -> list[float]:
-        """Seconds of each marked step, in order."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks)]
-        return [b - a for a, b in pairwise(self.marks)]
+    def times(self) -> list[float]:
+        """Wall time of each mark after the first (the start), in order."""
+        if not self.cuda:
+            return self.marks[1:]
+        self.marks[-1].synchronize()
+        first = self.marks[0]
+        return [self.origin + first.elapsed_time(event) / 1e3 for event in self.marks[1:]]
 
 
 def forever(loader: DataLoader) -> Iterator[Any]:
@@ -124,8 +128,13 @@ def train(config: Any, module: Any) -> list[dict[str, Any]]:
         if step % trainer.log_every == 0 or step == config.max_steps:
             losses[step] = loss.item()
     records = []
-    for step, seconds in enumerate(clock.durations(), start=1):
-        record = {"step": step, "samples_per_s": config.global_batch_size / seconds}
+    ends = clock.times()
+    for step, (start, end) in enumerate(pairwise([clock.origin, *ends]), start=1):
+        record = {
+            "step": step,
+            "time": end,
+            "samples_per_s": config.global_batch_size / (end - start),
+        }
         if step in losses:
             record["loss"] = losses[step]
         records.append(record)

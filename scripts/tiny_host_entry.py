@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 WIDTH = 32
-DEPTH = 3
+DEPTH = 2
 SAMPLES = 512
 
 
@@ -60,7 +60,7 @@ class PairDataset(torch.utils.data.Dataset):
 def build(config) -> dict:
     torch.manual_seed(config.global_seed)
     model = TinyModel()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, foreach=True)
     return {"model": model, "optimizer": optimizer, "dataset": PairDataset()}
 
 
