@@ -62,7 +62,7 @@ def test_defaults_of_every_field() -> None:
                 },
                 "allow_tf32": True,
             },
-            "optimizer": {"fp32_master_weights": False, "backend": "single_tensor"},
+            "optimizer": {"fp32_master_weights": False, "backend": None},
             "compile": {
                 "enabled": False,
                 "mode": "default",

@@ -31,3 +31,15 @@ def test_other_ranks_write_nothing(tmp_path):
     with MetricsLogger(tmp_path, total_steps=10, enabled=False) as metrics:
         metrics.log(1, loss=1.0)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_non_finite_values_are_written_as_null_so_lines_stay_strict_json(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=10, enabled=True) as metrics:
+        metrics.log(1, when=123.5, loss=float("nan"), grad_norm=float("inf"), lr=0.1)
+
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    record = json.loads(line, parse_constant=reject)
+    assert record == {"step": 1, "time": 123.5, "loss": None, "grad_norm": None, "lr": 0.1}

@@ -181,6 +181,15 @@ def test_optimizer_backend_applies_only_when_written_in_the_config(tmp_path):
     assert optimizer.param_groups[0]["foreach"] is False
 
 
+def test_a_config_written_out_and_read_back_keeps_the_optimizers_own_backend(tmp_path):
+    """As `litegen launch` does: its ranks read the resolved recipe, every field written out."""
+    written = make_gen(tmp_path).config.to_dict()
+    gen = litegen.initialize(MainConfig.from_dict(written))
+    model = nn.Linear(3, 2)
+    _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), foreach=True))
+    assert optimizer.param_groups[0]["foreach"] is True
+
+
 def test_a_failed_model_state_save_keeps_the_previous_one(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 

@@ -58,7 +58,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.start_step = 0
         self._epoch: int | None = None
-        self._perm: torch.Tensor | None = None
+        self._perm: list[int] = []
 
     def __len__(self) -> int:
         return (self.max_steps - self.start_step) * self.grad_accum_steps
@@ -70,17 +70,27 @@ class GlobalBatchSampler(Sampler[list[int]]):
                     step * self.global_batch_size
                     + (micro * self.dp_size + self.dp_rank) * self.micro_batch_size
                 )
-                yield [self._index_at(p) for p in range(first, first + self.micro_batch_size)]
+                yield self._indices(first, first + self.micro_batch_size)
 
-    def _index_at(self, position: int) -> int:
-        epoch, offset = divmod(position, self.dataset_len)
-        if not self.shuffle:
-            return offset
+    def _indices(self, start: int, stop: int) -> list[int]:
+        """Dataset indices at sequence positions ``[start, stop)``, epoch by epoch."""
+        indices: list[int] = []
+        while start < stop:
+            epoch, offset = divmod(start, self.dataset_len)
+            count = min(stop - start, self.dataset_len - offset)
+            if self.shuffle:
+                indices += self._permutation(epoch)[offset : offset + count]
+            else:
+                indices += range(offset, offset + count)
+            start += count
+        return indices
+
+    def _permutation(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.dataset_len, generator=generator)
+            self._perm = torch.randperm(self.dataset_len, generator=generator).tolist()
             self._epoch = epoch
-        return int(self._perm[offset])
+        return self._perm
 
     def state_dict(self) -> dict[str, int]:
         return {"start_step": self.start_step}
@@ -138,11 +148,20 @@ def build_dataloader(
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a batch (nested tuples, lists and dicts) to ``device``.
 
+    Copies to a GPU never make the host wait: host tensors are pinned first (unless the loader
+    pinned them, ``pin_memory: true``), so the copy runs behind the queued kernels while the
+    host goes on queuing the step. A copy from pageable memory would wait for the GPU to finish
+    all of its queued work.
+
     Example:
         >>> images, captions = to_device((images, captions), torch.device("cuda"))
     """
     if isinstance(batch, torch.Tensor):
-        # Pinned host memory (pin_memory: true) copies without blocking the host.
+        if batch.device == device:
+            return batch
+        if batch.device.type == "cpu" and device.type == "cuda":
+            pinned = batch if batch.is_pinned() else batch.pin_memory()
+            return pinned.to(device, non_blocking=True)
         return batch.to(device, non_blocking=batch.is_pinned())
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}

@@ -209,6 +209,11 @@ class StepThroughput:
         )
         self._pending = self.peak is not None and self.flops_per_step_per_gpu is None
 
+    @property
+    def counting(self) -> bool:
+        """Whether the next :meth:`count` counts (else it is a no-op context)."""
+        return self._pending
+
     def count(self) -> AbstractContextManager:
         """A FLOP counter around the first micro-batch that needs one; otherwise nothing."""
         return self._count() if self._pending else nullcontext()

@@ -1,22 +1,32 @@
-"""Catch a non-finite loss on any rank without making the host wait for the GPU every step.
+"""Catch a non-finite loss on any rank without making the host wait for the GPU.
 
 ``trainer.on_nan: skip`` must decide before the optimizer step, so it syncs once per step.
-``abort`` (the default) does not need to: step N's flag is all-reduced and copied to pinned host
-memory in the background, and read when step N + 1 is queued (or at the end), by which time
-it has long arrived. The error still names step N.
+``abort`` (the default) does not need to: step N's flag goes to the host behind the step's
+kernels (:class:`litegen.readback.Readback`) and is read once it has arrived, at a later step
+(at most two steps later) or at the end. The error still names step N. Across ranks the flag is
+all-reduced; a single rank has nothing to reduce.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
+
+from litegen.readback import Readback
 
 
 def nonfinite_flag(loss_sum: torch.Tensor) -> torch.Tensor:
     """1.0 when the loss is NaN or inf on any rank, else 0.0 (all-reduced, on the device)."""
     flag = (~torch.isfinite(loss_sum)).float().reshape(1)
-    dist.all_reduce(flag)
+    if _several_ranks():
+        dist.all_reduce(flag)
     return flag
+
+
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 class LossGuard:
@@ -29,9 +39,9 @@ class LossGuard:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
-        self._host = torch.zeros(1, pin_memory=self.cuda)
+        self._pending = Readback(device)
+        # One rank reads its loss itself; several read the all-reduced flag.
+        self._reduce = _several_ranks()
 
     @staticmethod
     def finite_now(loss_sum: torch.Tensor) -> bool:
@@ -39,27 +49,18 @@ class LossGuard:
         return nonfinite_flag(loss_sum).item() == 0
 
     def defer(self, loss_sum: torch.Tensor, step: int) -> None:
-        """Check the previous step's flag, then queue this step's."""
-        self.raise_if_nonfinite()
-        flag = nonfinite_flag(loss_sum)
-        if self.cuda:
-            self._host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (step, self._host, event)
-        else:
-            self._pending = (step, flag, None)
+        """Check the flags that have arrived (those of earlier steps), then queue this step's."""
+        self._check(wait=False)
+        self._pending.push(nonfinite_flag(loss_sum) if self._reduce else loss_sum, step)
 
     def raise_if_nonfinite(self) -> None:
-        """Raise for a queued flag that says the loss was not finite; clear it either way."""
-        if self._pending is None:
-            return
-        step, flag, event = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()  # that step's copy only; later work keeps running
-        if flag.item() != 0:
-            raise FloatingPointError(
-                f"the loss is not finite at step {step} on at least one rank; training stopped "
-                "(set trainer.on_nan: skip to skip such steps)."
-            )
+        """Wait for every queued flag; raise for the first that says the loss was not finite."""
+        self._check(wait=True)
+
+    def _check(self, wait: bool) -> None:
+        for step, (value,), _ in self._pending.ready(wait=wait):
+            if (value != 0) if self._reduce else not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss is not finite at step {step} on at least one rank; training "
+                    "stopped (set trainer.on_nan: skip to skip such steps)."
+                )

@@ -1,8 +1,14 @@
-"""Where training metrics go: JSON lines always, TensorBoard when installed, a rich bar on rank 0."""
+"""Where training metrics go: JSON lines always, TensorBoard when installed, a rich bar on rank 0.
+
+The bar is drawn from the training loop itself, at most every ``REFRESH_S`` seconds and only
+on a terminal: rich's own refresh thread would re-render it ten times a second, taking the
+GIL from the loop, and elsewhere (a log file) only the final state is printed, at the end.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,8 @@ from rich.progress import (
 )
 
 from litegen.checkpoint.files import atomic_write_text
+
+REFRESH_S = 0.25
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:
@@ -46,6 +54,10 @@ class MetricsLogger:
         self._task = None
         self._total = total_steps
         self._start = start_step
+        self._step = start_step
+        self._status = ""
+        self._terminal = False
+        self._refreshed = 0.0
 
     def __enter__(self) -> MetricsLogger:
         if not self.enabled:
@@ -68,36 +80,56 @@ class MetricsLogger:
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
+            auto_refresh=False,
         )
+        self._terminal = self._progress.console.is_terminal
         self._progress.start()
         self._task = self._progress.add_task(
             "train", total=self._total, completed=self._start, status=""
         )
         return self
 
-    def log(self, step: int, **values: Any) -> None:
+    def log(self, step: int, when: float | None = None, **values: Any) -> None:
+        """Write one record: ``step``, ``time`` (``when``, else now) and ``values``.
+
+        Non-finite floats are written as ``null``, so every line stays strict JSON.
+        """
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **values}
-        self._file.write(json.dumps(record) + "\n")
+        record = {"step": step, "time": time.time() if when is None else when}
+        record.update((k, _json_number(v)) for k, v in values.items())
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
             for key, value in values.items():
                 if isinstance(value, int | float):
                     self._tensorboard.add_scalar(f"train/{key}", value, step)
-        status = "  ".join(
+        self._status = "  ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
         )
-        self._progress.update(self._task, completed=step, status=status)
+        self.advance(max(step, self._step))
 
     def advance(self, step: int) -> None:
-        if self.enabled:
-            self._progress.update(self._task, completed=step)
+        """Move the bar to ``step`` (drawn now if the last drawing is ``REFRESH_S`` old)."""
+        self._step = step
+        if self._terminal and time.monotonic() - self._refreshed >= REFRESH_S:
+            self._draw()
+
+    def _draw(self) -> None:
+        self._progress.update(self._task, completed=self._step, status=self._status)
+        self._progress.refresh()
+        self._refreshed = time.monotonic()
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        self._progress.update(self._task, completed=self._step, status=self._status)
         self._progress.stop()
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _json_number(value: Any) -> Any:
+    """``None`` for NaN and infinities (JSON has no such numbers), the value otherwise."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -61,15 +61,15 @@ def configure_optimizer(
 
 
 def apply_backend(optimizer: torch.optim.Optimizer, settings: Any) -> None:
-    """Apply ``settings.backend`` (an ``OptimizerConfig``'s) only when the config sets it.
+    """Apply ``settings.backend`` (an ``OptimizerConfig``'s) only when the config sets one.
 
-    A backend left at its default keeps the optimizer's own foreach/fused choice, so
+    A backend left null keeps the optimizer's own foreach/fused choice, so
     AdamW(fused=True) stays fused; a backend written in the config overrides it.
 
     Example:
         >>> apply_backend(opt, cfg.optimization.optimizer)
     """
-    if "backend" in settings.model_fields_set:
+    if settings.backend is not None:
         set_backend(optimizer, settings.backend)
 
 

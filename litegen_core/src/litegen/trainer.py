@@ -13,13 +13,13 @@ of them through ``**kwargs``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import re
-import time
-from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from litegen.entry import load_entry
 from litegen.flops import StepThroughput
 from litegen.loss_guard import LossGuard
 from litegen.metrics import MetricsLogger
+from litegen.readback import Readback
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
 
@@ -86,7 +87,15 @@ class Trainer:
         ]
         self.models = [m.module for m in gen.models if m.trainable]
         self.step = getattr(self.loader.batch_sampler, "start_step", 0)
-        self._step_kwargs = _keyword_filter(train_step)
+        # What train_step receives, chosen once: only ``step`` changes from call to call.
+        accepted = _keyword_filter(train_step)
+        self._step_kwargs = accepted({**parts, "gen": gen, "config": self.config})
+        self._wants_step = "step" in accepted({"step": None})
+        self._autocast = _AUTOCAST.get(self.config.trainer.autocast)
+        # Entered every step; where the backend's context does nothing (auto off CUDA), a
+        # shared no-op takes its place.
+        no_op = isinstance(gen.attention_context(), contextlib.nullcontext)
+        self._attention = contextlib.nullcontext if no_op else gen.attention_context
         self.loss_guard = LossGuard(gen.device)
         # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
@@ -111,22 +120,12 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
-        kwargs = {**self.parts, "gen": self.gen, "config": self.config, "step": self.step}
-        autocast = self.config.trainer.autocast
-        with ExitStack() as stack:
-            stack.enter_context(self.throughput.count())
-            # Around backward too: checkpointed blocks recompute their attention there.
-            stack.enter_context(self.gen.attention_context())
-            if not last:
-                for model in self.models:
-                    stack.enter_context(self.gen.no_sync(model))
-            stack.enter_context(
-                torch.autocast(self.gen.device.type, dtype=_AUTOCAST[autocast])
-                if autocast
-                else nullcontext()
-            )
+        kwargs = self._step_kwargs
+        if self._wants_step:
+            kwargs = {**kwargs, "step": self.step}
+        with self._micro_contexts(last):
             try:
-                loss = self.train_step(batch, **self._step_kwargs(kwargs))
+                loss = self.train_step(batch, **kwargs)
             except RuntimeError as exc:
                 hint = _cast_model_hint(self.config, exc)
                 if hint is None:
@@ -137,8 +136,19 @@ class Trainer:
                     f"train_step must return the loss as a scalar tensor, got {type(loss).__name__}"
                     f"{f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else ''}."
                 )
-            (loss / accum).backward()
+            (loss / accum if accum > 1 else loss).backward()
         return loss.detach().float()
+
+    def _micro_contexts(self, last: bool) -> contextlib.AbstractContextManager:
+        """FLOP counting (first step), ``no_sync`` (all but the last micro-batch), autocast."""
+        contexts = [self.throughput.count()] if self.throughput.counting else []
+        if not last:
+            contexts += [self.gen.no_sync(model) for model in self.models]
+        if self._autocast is not None:
+            contexts.append(torch.autocast(self.gen.device.type, dtype=self._autocast))
+        if len(contexts) < 2:  # the common case: no stack to build
+            return contexts[0] if contexts else contextlib.nullcontext()
+        return _all_of(contexts)
 
     def _optimizer_step(self) -> torch.Tensor | None:
         """Clip, step, schedule, EMA; returns the gradient norm (on the device) when clipping."""
@@ -162,10 +172,13 @@ class Trainer:
         sampler's cursor) advances either way, so logs, checkpoints and resume stay aligned.
         """
         accum = self.config.trainer.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.gen.device)
-        for micro in range(accum):
-            batch = to_device(next(batches), self.gen.device)
-            loss_sum += self._micro_step(batch, last=micro == accum - 1, accum=accum)
+        loss_sum = None
+        # Around backward too: checkpointed blocks recompute their attention there.
+        with self._attention():
+            for micro in range(accum):
+                batch = to_device(next(batches), self.gen.device)
+                loss = self._micro_step(batch, last=micro == accum - 1, accum=accum)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
         finite, grad_norm = True, None
         if self.config.trainer.on_nan == "skip":
             finite = self.loss_guard.finite_now(loss_sum)
@@ -182,7 +195,7 @@ class Trainer:
             grad_norm = self._optimizer_step()
         self._zero_grad()
         self.step += 1
-        return StepResult(loss_sum / accum, grad_norm, finite)
+        return StepResult(loss_sum / accum if accum > 1 else loss_sum, grad_norm, finite)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers:
@@ -209,38 +222,75 @@ class Trainer:
             # those after that draw in the original run, so they go back only now.
             self._restore_rng(self._restore_after_iter)
             self._restore_after_iter = None
-        last_log = (time.perf_counter(), self.step)
         with MetricsLogger(
             self.config.get_results_dir(),
             total_steps=self.config.max_steps,
             enabled=self.gen.is_main_process,
             start_step=self.step,
         ) as metrics:
-            while self.step < self.config.max_steps:
-                result = self.run_step(batches)
-                logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
-                if result.finite and logged:
-                    # The one host sync of a logged step; other steps run ahead freely.
-                    dist.all_reduce(result.loss, op=dist.ReduceOp.AVG)
-                    mean_loss = result.loss.item()
-                    losses.append(mean_loss)
-                    now = time.perf_counter()
-                    window = self.throughput.metrics(self.step - last_log[1], now - last_log[0])
-                    last_log = (now, self.step)
-                    values = {"loss": mean_loss, **window}
-                    values["lr"] = self.optimizers[0].param_groups[0]["lr"]
-                    if result.grad_norm is not None:
-                        values["grad_norm"] = result.grad_norm.item()
-                    metrics.log(self.step, **values)
-                else:
+            # Logged values reach the host behind the step's kernels and are written once they
+            # have arrived (litegen/readback.py): a logged step makes the host wait for nothing.
+            pending = Readback(self.gen.device)
+            window = (pending.start_time, self.step)  # the time and step of the last record
+            try:
+                while self.step < self.config.max_steps:
+                    result = self.run_step(batches)
+                    logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
+                    if result.finite and logged:
+                        self._queue_record(pending, result)
                     metrics.advance(self.step)
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_run_checkpoint()
-        self.loss_guard.raise_if_nonfinite()  # the last step's deferred check
+                    window = self._write_records(pending, metrics, window, losses, wait=False)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_run_checkpoint()
+                self._write_records(pending, metrics, window, losses, wait=True)
+            except BaseException:
+                # The records queued before the failure (a non-finite loss, say) are still
+                # written, unless the device itself failed.
+                with contextlib.suppress(Exception):
+                    self._write_records(pending, metrics, window, losses, wait=True)
+                raise
+        self.loss_guard.raise_if_nonfinite()  # the last steps' deferred checks
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
         return losses
+
+    def _queue_record(self, pending: Readback, result: StepResult) -> None:
+        """Queue a logged step's mean loss (over ranks) and gradient norm for the host."""
+        loss = result.loss
+        if self.gen.world_size > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        values = loss.reshape(1)
+        if result.grad_norm is not None:
+            values = torch.stack([loss.reshape(()), result.grad_norm.reshape(())])
+        pending.push(values, (self.step, self.optimizers[0].param_groups[0]["lr"]))
+
+    def _write_records(
+        self,
+        pending: Readback,
+        metrics: MetricsLogger,
+        window: tuple[float, int],
+        losses: list[float],
+        *,
+        wait: bool,
+    ) -> tuple[float, int]:
+        """Write the queued records that have arrived; returns the last one's (time, step).
+
+        Throughput is over the steps since the previous record, timed by when the device
+        finished each logged step (no host sync: litegen/readback.py).
+        """
+        for (step, lr), device_values, when in pending.ready(wait=wait):
+            mean_loss, *grad_norm = device_values
+            losses.append(mean_loss)
+            values = {"loss": mean_loss}
+            values.update(self.throughput.metrics(step - window[1], when - window[0]))
+            values["lr"] = lr
+            if grad_norm:
+                values["grad_norm"] = grad_norm[0]
+            metrics.log(step, when=when, **values)
+            window = (when, step)
+        return window
 
     # -- run checkpoints and resume -----------------------------------------------------------
     def resume_source(self) -> Path | None:
@@ -315,6 +365,14 @@ class Trainer:
         self.gen.save_optimizer(step=step)
         if self.gen.ema is not None:
             self.gen.save_ema(step=step)
+
+
+@contextlib.contextmanager
+def _all_of(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _cast_model_hint(config: MainConfig, exc: RuntimeError) -> str | None:

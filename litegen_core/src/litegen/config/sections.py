@@ -127,7 +127,11 @@ class OptimizerConfig(Section):
     """Optimizer wrapping options (``optimization.optimizer``)."""
 
     fp32_master_weights: bool = False
-    backend: Literal["single_tensor", "foreach", "fused"] = "single_tensor"
+    backend: Literal["single_tensor", "foreach", "fused"] | None = None
+    """``None`` keeps the optimizer's own ``foreach``/``fused`` flags (``AdamW(fused=True)`` stays
+    fused); a value overrides them. ``None`` rather than a default value, so that a config written
+    out and read back (the resolved recipe of ``litegen launch``, a checkpoint's config) means
+    the same."""
 
 
 class CompileConfig(Section):

@@ -1,9 +1,9 @@
 """Which scaled-dot-product-attention kernel a run uses (``optimization.kernels.attention_backend``).
 
 Models call ``F.scaled_dot_product_attention`` as usual; the trainer enters
-:func:`attention_context` around each micro-batch's forward *and* backward. The backward matters:
-activation checkpointing re-runs the forward there, and the recomputed attention must use the
-same kernel as the first forward.
+:func:`attention_context` around each step's micro-batches, forward *and* backward. The backward
+matters: activation checkpointing re-runs the forward there, and the recomputed attention must
+use the same kernel as the first forward.
 
 Backends:
 
