@@ -11,8 +11,9 @@ import copy
 import difflib
 import importlib.util
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
+from litegen.config.checks import IgnoredOptionWarning, ignored_options
 from litegen_cli.slurm import apply_slurm_env
 
 HEADER = "Error to load config, found the following problems:"
@@ -86,6 +88,7 @@ class Recipe:
     launch: LaunchSpec
     config: MainConfig
     data: dict[str, Any]  # the raw YAML with overrides applied (launch section included)
+    warnings: list[str] = field(default_factory=list)  # options the strategy ignores
 
     @property
     def base_dir(self) -> Path:
@@ -282,10 +285,20 @@ def recipe_from_data(
 
     config: MainConfig | None = None
     try:
-        config = MainConfig.from_dict({k: v for k, v in data.items() if k != "launch"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IgnoredOptionWarning)  # returned as Recipe.warnings
+            config = MainConfig.from_dict({k: v for k, v in data.items() if k != "launch"})
     except ValueError as exc:
         problems.extend(_config_problems(exc))
 
     if problems or spec is None or config is None:
         raise RecipeError(problems)
-    return Recipe(path=path, launch=spec, config=config, data=data)
+    # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.
+    config = config.with_absolute_paths()
+    entry = spec.entry
+    if entry.endswith(".py") and not Path(entry).expanduser().is_absolute():
+        folder = Path(spec.recipe_dir or path.parent)
+        spec = spec.model_copy(update={"entry": str((folder / entry).absolute())})
+    return Recipe(
+        path=path, launch=spec, config=config, data=data, warnings=ignored_options(config)
+    )
