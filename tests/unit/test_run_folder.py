@@ -181,8 +181,9 @@ def test_paths_are_absolute_in_the_resolved_recipe(tmp_path, monkeypatch):
     recipe = load_recipe(path)
     assert recipe.config.results_dir == str(tmp_path / "out" / "run")
     assert recipe.config.init_from == str(tmp_path / "w.pth")
-    assert recipe.launch.entry == str(tmp_path / "recipes" / "my_entry.py")
-    assert recipe.resolved_dict()["results_dir"] == str(tmp_path / "out" / "run")
+    resolved = recipe.resolved_dict()
+    assert resolved["launch"]["entry"] == str(tmp_path / "recipes" / "my_entry.py")
+    assert resolved["results_dir"] == str(tmp_path / "out" / "run")
 
 
 def test_a_failed_validation_writes_nothing(tmp_path, launched):

@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from litegen_cli import render
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
 
 if TYPE_CHECKING:
     from litegen_cli.launcher import LaunchFailed
-
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 1
 
 app = typer.Typer(
     name="litegen",
@@ -73,7 +71,7 @@ def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = Fa
 
     The single launch path of `launch` and `resume`. ``continuing``: the run goes on from a
     checkpoint in its folder (resume, auto_resume), so an earlier run there is expected.
-    Exit codes: 2 bad input (nothing trained), 1 a failed run, 128+N stopped by signal N.
+    Exit codes: 2 bad input, 1 a failed run, 128+N stopped by signal N (failures.py).
     """
     from litegen_cli.launcher import LaunchFailed, launch  # imports torch lazily
     from litegen_cli.run_folder import RunFolderError, claim_run_folder
@@ -99,7 +97,7 @@ def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = Fa
         raise typer.Exit(err.exit_code) from None
     except OSError as err:  # e.g. the results dir is not writable
         render.print_error("Cannot start the run", [f"{type(err).__name__}: {err}"])
-        raise typer.Exit(EXIT_RUN_FAILED) from None
+        raise typer.Exit(EXIT_FAILED) from None
     render.console.print(f"[green]Done.[/] Resolved recipe: {resolved}")
 
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from litegen_cli.failures import RankFailure, launcher_exit_code, rank_failure, root_failure
+from litegen_cli.failures import (
+    EXIT_BAD_INPUT,
+    RankFailure,
+    launcher_exit_code,
+    rank_failure,
+    root_failure,
+)
 from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, Recipe
@@ -75,7 +81,9 @@ def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def write_resolved_recipe(recipe: Recipe, folder: Path | None = None) -> Path:
+def write_resolved_recipe(
+    recipe: Recipe, folder: Path | None = None, name: str = RESOLVED_NAME
+) -> Path:
     """Write `launch:` + the validated config to ``<results_dir>/recipe.resolved.yaml``.
 
     The file is written to a temporary name and renamed, so a rank (or another node on a
@@ -87,7 +95,7 @@ def write_resolved_recipe(recipe: Recipe, folder: Path | None = None) -> Path:
     """
     results_dir = Path(folder or recipe.config.get_results_dir())
     results_dir.mkdir(parents=True, exist_ok=True)
-    target = results_dir / RESOLVED_NAME
+    target = results_dir / name
     text = yaml.safe_dump(recipe.resolved_dict(), sort_keys=False)
     fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=f".{RESOLVED_NAME}.", suffix=".tmp")
     try:
@@ -129,17 +137,34 @@ def launch(recipe: Recipe) -> Path:
     >>> launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))  # doctest: +SKIP
     """
     derive_plan(recipe)  # raises before anything is written or spawned
-    private = None
-    if recipe.launch.node_rank != 0:
+    results = Path(recipe.config.get_results_dir())
+    if recipe.launch.node_rank != 0:  # node 0 owns the run folder and its resolved recipe
         private = Path(tempfile.mkdtemp(prefix=f"litegen-node{recipe.launch.node_rank}-"))
-    try:
-        return _run(recipe, write_resolved_recipe(recipe, private))
-    finally:
-        if private is not None:
+        try:
+            _run(recipe, write_resolved_recipe(recipe, private))
+        finally:
             shutil.rmtree(private, ignore_errors=True)
+        return results / RESOLVED_NAME
+    # The ranks read a pending copy; it becomes recipe.resolved.yaml once they ran, so a launch
+    # refused as bad input (a damaged checkpoint found by the ranks) leaves the earlier one.
+    for leftover in results.glob(f".{RESOLVED_NAME}.*.pending"):  # of a launcher killed before
+        leftover.unlink(missing_ok=True)
+    pending = write_resolved_recipe(recipe, name=f".{RESOLVED_NAME}.{os.getpid()}.pending")
+    keep = True
+    try:
+        _run(recipe, pending)
+    except LaunchFailed as err:
+        keep = err.exit_code != EXIT_BAD_INPUT
+        raise
+    finally:
+        if keep:
+            os.replace(pending, results / RESOLVED_NAME)
+        else:
+            pending.unlink(missing_ok=True)
+    return results / RESOLVED_NAME
 
 
-def _run(recipe: Recipe, resolved: Path) -> Path:
+def _run(recipe: Recipe, resolved: Path) -> None:
     args = torchrun_args(recipe.launch, resolved)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -169,4 +194,3 @@ def _run(recipe: Recipe, resolved: Path) -> Path:
         raise LaunchFailed(
             f"stopped by {name}", exit_code=128 + int(err.sigval), signal=name
         ) from None
-    return resolved

@@ -96,8 +96,15 @@ class Recipe:
         return Path(self.launch.recipe_dir) if self.launch.recipe_dir else self.path.parent
 
     def resolved_dict(self) -> dict[str, Any]:
-        """`launch:` + the validated config, ready to be written as the resolved recipe."""
-        return {"launch": self.launch.model_dump(), **self.config.to_dict()}
+        """`launch:` + the validated config, ready to be written as the resolved recipe.
+
+        A ``.py`` entry is written as an absolute path, like the config's paths.
+        """
+        launch = self.launch.model_dump()
+        entry = Path(launch["entry"]).expanduser()
+        if launch["entry"].endswith(".py") and not entry.is_absolute():
+            launch["entry"] = str((self.base_dir / entry).absolute())
+        return {"launch": launch, **self.config.to_dict()}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -295,10 +302,6 @@ def recipe_from_data(
         raise RecipeError(problems)
     # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.
     config = config.with_absolute_paths()
-    entry = spec.entry
-    if entry.endswith(".py") and not Path(entry).expanduser().is_absolute():
-        folder = Path(spec.recipe_dir or path.parent)
-        spec = spec.model_copy(update={"entry": str((folder / entry).absolute())})
     return Recipe(
         path=path, launch=spec, config=config, data=data, warnings=ignored_options(config)
     )
