@@ -169,7 +169,7 @@ class RunCheckpointer:
     Example:
         >>> ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
         >>> ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
-        >>> ckpt.wait()  # only needed with async_save=True
+        >>> ckpt.wait()  # step_1000 is complete and `latest` (the next save waits too)
     """
 
     def __init__(
@@ -197,7 +197,8 @@ class RunCheckpointer:
         """Start writing ``step_<step>``; it is complete (and ``latest``) once :meth:`wait` ran.
 
         ``rank_state`` is this rank's trainer state; ``extra_files`` (name -> text) are written
-        by rank 0. Synchronous saves call :meth:`wait` before returning.
+        by rank 0. A synchronous save returns once every rank's files are written; the manifest,
+        the marker and ``latest`` follow in rank 0's background thread.
         """
         self.wait()  # the previous asynchronous save must be complete before the next starts
         rank = dist.get_rank()
