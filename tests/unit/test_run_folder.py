@@ -99,7 +99,7 @@ def test_a_launch_into_a_folder_holding_a_run_is_refused_and_changes_nothing(tmp
     assert result.exit_code == 2, result.output
     out = result.output
     assert "already holds another run" in out
-    assert "2 run checkpoint(s)" in out and "metrics.jsonl (2 records)" in out
+    assert "2 run checkpoint(s)" in out and "metrics.jsonl (2 record(s))" in out
     assert f"litegen resume --from {results}" in out
     assert "--overwrite" in out and "nothing is deleted" in out
     assert not launched

@@ -83,7 +83,7 @@ def earlier_run(config: Any) -> list[str]:
     if metrics.is_file() and metrics.stat().st_size > 0:
         with open(metrics, "rb") as handle:
             records = sum(1 for line in handle if line.strip())
-        found.append(f"{metrics} ({records} records)")
+        found.append(f"{metrics} ({records} record(s))")
     weights = sorted(checkpoints.glob(f"{glob.escape(config.exp_name)}*.pth"))
     if weights:
         found.append(f"final weights {', '.join(p.name for p in weights)} in {checkpoints}")
@@ -164,7 +164,7 @@ def _holds_a_run(config: Any, folders: list[Path], found: list[str]) -> RunFolde
     if any("run checkpoint" in item for item in found):
         lines.append(f"Continue it:      litegen resume --from {checkpoints}")
     lines += [
-        "Start a new run:  give it another folder (results_dir=... or exp_name=...)",
+        "Start a new run:  give it another folder (results_dir=<new folder>)",
         f"Start over here:  add --overwrite; the earlier run moves to {folders[0].name}.old-<time> "
         "beside it, nothing is deleted",
     ]
