@@ -208,18 +208,20 @@ def test_killed_runs_resume_to_the_weights_of_an_uninterrupted_run(tmp_path, ref
         root = tmp_path / f"run{attempt}"
         recipe = write_recipe(tmp_path / f"recipe{attempt}", config_of(root, step_sleep=0.1))
         victim = rng.choice(["launcher", "rank 0", "rank 1"])
-        at_step = rng.randint(0, STEPS)  # 0: while the ranks start up
-        jitter = rng.uniform(0, 0.3 if at_step else 4.0)
+        at_step = rng.randint(0, STEPS - 1)  # 0: while the ranks start up (import, build, load)
+        jitter = rng.uniform(0, 0.3 if at_step else 2.0)
         event = f"run {attempt}: kill {victim} after step {at_step} + {jitter:.2f}s"
         proc = litegen("launch", recipe, cwd=tmp_path)
+        if victim != "launcher" or at_step:  # a rank can only be killed once it runs
+            wait_until(lambda: len(ranks_of(proc.pid)) == 2 or proc.poll() is not None, 240)  # noqa: B023
         wait_until(lambda: logged_steps(root) >= at_step or proc.poll() is not None, 240, 0.02)  # noqa: B023
         time.sleep(jitter)
         ranks = ranks_of(proc.pid)
-        if proc.poll() is not None:
+        if proc.poll() is not None or (victim != "launcher" and not ranks):
             event += ": it had ended"
         elif victim == "launcher":
             os.kill(proc.pid, signal.SIGKILL)
-        elif ranks:
+        else:
             os.kill(ranks[0 if victim == "rank 0" else -1], signal.SIGKILL)
         code, out = finish(proc)
         assert wait_until(lambda: not any(alive(pid) for pid in ranks), 10), event  # noqa: B023
