@@ -85,3 +85,50 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     data, target = batch
     out = model(data)
     return nn.functional.mse_loss(out.float(), target.float())
+
+
+# -- a diffusers model for LoRA (tests/distributed/test_lora.py, tests/unit/test_lora.py) ----
+WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def make_wan(seed: int = 0) -> nn.Module:
+    """A two-block ``diffusers.WanTransformer3DModel`` (36k parameters), the same for a seed."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=1,
+        out_channels=1,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
+
+
+class WanDataset(torch.utils.data.Dataset):
+    """``n`` deterministic ((latent 1x1x8x8, timestep, text 1x16), target) pairs for make_wan."""
+
+    def __init__(self, n: int = 16, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.latents = torch.randn(n, 1, 1, 8, 8, generator=gen)
+        self.timesteps = torch.randint(0, 1000, (n,), generator=gen)
+        self.texts = torch.randn(n, 1, 16, generator=gen)
+        self.targets = torch.randn(n, 1, 1, 8, 8, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.latents)
+
+    def __getitem__(self, i: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        return (self.latents[i], self.timesteps[i], self.texts[i]), self.targets[i]
+
+
+def wan_loss(
+    model: nn.Module, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]
+) -> torch.Tensor:
+    inputs, targets = batch
+    out = model(*inputs, return_dict=False)[0]
+    return nn.functional.mse_loss(out.float(), targets.float())

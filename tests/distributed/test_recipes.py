@@ -1,7 +1,8 @@
 """The shipped recipes, shortened, through `litegen launch` with 2 gloo ranks on the CPU.
 
-Four launches (about 30 s each on 2 cores): the autoencoder, the latent DiT twice (the first
-run fills the latent cache, the second only reads it) and the pixel-space digits DiT.
+Five launches (about 30 s each on 2 cores): the autoencoder, the latent DiT twice (the first
+run fills the latent cache, the second only reads it), the pixel-space digits DiT and the LoRA
+fine-tune of a diffusers transformer.
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def test_digits_dit_writes_samples(tmp_path):
     assert f"samples written to {results / 'samples.png'}" in out
     assert (results / "samples.png").stat().st_size > 0
     assert len((results / "metrics.jsonl").read_text().splitlines()) > 0
+
+
+def test_lora_dit_writes_adapters_that_diffusers_loads(tmp_path):
+    results = tmp_path / "lora_dit"
+    out = launch("lora_dit.yaml", "max_steps=4", f"results_dir={results}", "model.depth=1",
+                 "sampling.steps=2", "sampling.per_class=2", cwd=tmp_path)  # fmt: skip
+    adapters = results / "lora_dit.ema.lora.safetensors"
+    assert f"adapters loaded through diffusers from {adapters}" in out
+    assert (results / "lora_dit.lora.safetensors").is_file()
+    assert not (results / "lora_dit.pth").exists()  # the frozen base is not exported
+    assert (results / "samples.png").stat().st_size > 0
 
 
 def test_latent_dit_without_autoencoder_says_what_to_run(tmp_path):

@@ -1,4 +1,4 @@
-"""Activation offload on CUDA: saved block inputs leave the GPU, gradients stay the same."""
+"""Activation offload on CUDA: saved activations leave the GPU, gradients stay the same."""
 
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ class Net(nn.Module):
         return self.head(x).square().mean()
 
 
-def run(offload: bool) -> tuple[int, dict[str, torch.Tensor], object]:
+def run(offload: bool, checkpoint: bool) -> tuple[int, dict[str, torch.Tensor], object]:
     """Peak memory of one step above what was allocated before it, grads, offload stats."""
     torch.manual_seed(0)
     model = Net().cuda()
     memory = MemoryConfig.model_validate(
         {
-            "activation_checkpoint": {"enabled": True, "selective_ratio": 0.0},
+            "activation_checkpoint": {"enabled": checkpoint, "selective_ratio": 0.0},
             "activation_offload": offload,
         }
     )
@@ -76,18 +76,26 @@ def run(offload: bool) -> tuple[int, dict[str, torch.Tensor], object]:
     return peak, grads, offloader.stats if offloader else None
 
 
-def test_offload_lowers_peak_by_most_of_the_offloaded_bytes_with_the_same_gradients():
-    plain_peak, plain_grads, _ = run(offload=False)
-    peak, grads, stats = run(offload=True)
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpointed", "not-checkpointed"])
+def test_offload_lowers_peak_by_most_of_the_offloaded_bytes_with_the_same_gradients(checkpoint):
+    plain_peak, plain_grads, _ = run(offload=False, checkpoint=checkpoint)
+    peak, grads, stats = run(offload=True, checkpoint=checkpoint)
     x_bytes = BATCH * TOKENS * HIDDEN * 4
-    assert stats.tensors_offloaded == 2 * DEPTH and stats.bytes_offloaded >= DEPTH * x_bytes
-    assert stats.tensors_prefetched == 2 * (DEPTH - 1)
-    assert stats.buffers_allocated == 0  # the warm-up step's pinned buffers were reused
+    # Every block but the last offloads: checkpointed, its input x (cond once, shared by all);
+    # otherwise everything it saves but its parameters.
+    assert stats.bytes_offloaded >= (DEPTH - 1) * x_bytes
+    if checkpoint:
+        assert (stats.tensors_offloaded, stats.tensors_shared) == (DEPTH, DEPTH - 2)
+    came_back = (
+        stats.tensors_prefetched + stats.tensors_fetched_on_demand + stats.tensors_reused_on_device
+    )
+    assert came_back == stats.tensors_offloaded and stats.tensors_prefetched > 0
     saved = plain_peak - peak
     print(
         f"peak {plain_peak / 2**20:.0f} -> {peak / 2**20:.0f} MiB, "
         f"offloaded {stats.bytes_offloaded / 2**20:.0f} MiB"
     )
+    # Two blocks' copies may still be in flight when backward starts; the rest is gone.
     assert saved >= 0.6 * stats.bytes_offloaded
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)

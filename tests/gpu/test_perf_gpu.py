@@ -105,8 +105,8 @@ def compile_norms(limit):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(NormBlock(), NormBlock()).cuda()
-    context = persistent_rows_context(limit) if limit is not None else None
-    compile_blocks(model, CompileConfig(enabled=True), paths=["0", "1"], block_context=context)
+    context = [persistent_rows_context(limit)] if limit is not None else []
+    compile_blocks(model, CompileConfig(enabled=True), paths=["0", "1"], block_contexts=context)
     x = torch.randn(4, 256, 1152, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         output, kernels = run_and_get_code(model, x)
@@ -153,8 +153,8 @@ def test_persistent_rows_compile_norms_that_load_a_value_per_row():
     # torch 2.11's code generation fails on it (row_reductions.ROWS_PER_PROGRAM).
     torch._dynamo.reset()
     block = GatedNormBlock().cuda()
-    context = persistent_rows_context(2048)
-    compile_blocks(block, CompileConfig(enabled=True), paths=[""], block_context=context)
+    context = [persistent_rows_context(2048)]
+    compile_blocks(block, CompileConfig(enabled=True), paths=[""], block_contexts=context)
     x = torch.randn(4, 256, 1152, device="cuda", requires_grad=True)
     gate = torch.rand(4, 256, 1, device="cuda", requires_grad=True)
     block(x, gate).square().mean().backward()

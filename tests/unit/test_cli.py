@@ -193,6 +193,37 @@ def test_batch_that_does_not_divide_is_an_error(tmp_path):
     assert "field 'global_batch_size': 6 is not divisible" in result.output
 
 
+def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
+    overrides = ("optimization.parallel.sp_size=2", "trainer.tokens_per_sample=32761")
+    result = invoke("inspect-config", write_recipe(tmp_path), "launch.nproc_per_node=4", *overrides)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    # 4 ranks as 2 groups of 2: each group shares its samples, 8 / (2 * 2) per micro-step.
+    assert "sequence-parallel size" in out and "mesh (dp, sp)" in out and "(2, 2)" in out
+    assert "2 (global / (dp * grad_accum))" in out
+    assert "tokens per rank" in out and "16381 (trainer.tokens_per_sample / sp" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optimization.parallel.sp_size=3"], "'optimization.parallel.sp_size': 3 does not divide"),
+        (
+            ["optimization.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
+            "not supported with strategy 'fsdp1'",
+        ),
+        (
+            ["optimization.parallel.cp_size=2"],
+            "'optimization.parallel.cp_size': ring attention is reserved",
+        ),
+    ],
+)
+def test_bad_parallel_degrees_are_errors_before_launch(tmp_path, overrides, message):
+    result = invoke("inspect-config", write_recipe(tmp_path), *overrides)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
 def test_node_rank_must_be_below_nnodes(tmp_path):
     with pytest.raises(RecipeError, match=r"'launch\.node_rank': 2 must be below nnodes"):
         load_recipe(write_recipe(tmp_path), ["launch.nnodes=2", "launch.node_rank=2"])
@@ -374,4 +405,14 @@ def test_help_and_inspect_config_do_not_import_torch(tmp_path):
 def test_plan_numbers(tmp_path):
     plan = derive_plan(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
     assert (plan.world_size, plan.dp_size, plan.micro_batch) == (4, 4, 1)
+    assert plan.sp_size == 1 and plan.tokens_per_rank is None
     assert plan.strategy == "ddp" and plan.device == "cpu"
+
+
+def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
+    prefix = "optimization.memory.activation_checkpoint"
+    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    assert plan.memory == "off"

@@ -153,13 +153,14 @@ def test_compiled_blocks_stay_one_graph_under_ddp(group):
     assert graphs_under_ddp(whole_model) > 1
 
 
-def test_compiling_twice_is_a_no_op_and_keeps_the_checkpointed_forward_inside():
+def test_compiling_twice_is_a_no_op_and_compiles_inside_the_checkpointed_forward():
     model = make(checkpoint=True)
     checkpointed_forward = model.blocks[0].forward
     cfg = CompileConfig(enabled=True)
     assert len(compile_blocks(model, cfg, backend="aot_eager")) == TINY.depth
     assert compile_blocks(model, cfg, backend="aot_eager") == []
-    assert model.blocks[0].forward.original is checkpointed_forward
+    # The block keeps its checkpointing wrapper, which now runs compiled code in each mode.
+    assert model.blocks[0].forward is checkpointed_forward and is_compiled(model.blocks[0])
 
 
 def test_model_without_repeated_blocks_compiles_its_forward():

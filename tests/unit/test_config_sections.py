@@ -51,6 +51,7 @@ def test_defaults_of_every_field() -> None:
                 "cp_size": 1,
             },
             "precision": {
+                "preset": None,
                 "cast_model": None,
                 "cast_exclude_paths": [],
                 "fsdp2_mixed": {
@@ -72,9 +73,12 @@ def test_defaults_of_every_field() -> None:
                 "activation_checkpoint": {
                     "enabled": False,
                     "selective_ratio": 1.0,
+                    "memory_budget_gib": None,
+                    "memory_budget_fraction": 0.9,
                     "target_paths": [],
                     "policy": "block",
                     "memory_budget": 0.5,
+                    "inside_compile": True,
                 },
                 "activation_offload": False,
             },
@@ -84,6 +88,7 @@ def test_defaults_of_every_field() -> None:
                 "fused_gelu_mlp": False,
                 "master_adamw": False,
             },
+            "lora": None,
             "profiles": {},
         },
         "lr": 1.0e-4,
@@ -244,3 +249,25 @@ def test_rules_across_fields_hold_for_merged_profiles_at_load_time() -> None:
 def test_tensor_and_pipeline_degrees_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="tp_size: LiteGen has no tensor or pipeline parallelism"):
         MainConfig(optimization={"parallel": {"tp_size": 1}})
+
+
+def test_the_bf16_mixed_preset_sets_its_fields_unless_written() -> None:
+    cfg = MainConfig(optimization={"precision": {"preset": "bf16-mixed"}})
+    assert cfg.optimization.precision.cast_model == "bf16"
+    assert cfg.optimization.optimizer.fp32_master_weights is True
+    assert cfg.trainer.autocast == "bf16"
+    written = MainConfig(
+        optimization={
+            "precision": {"preset": "bf16-mixed", "cast_model": "fp32"},
+            "optimizer": {"fp32_master_weights": False},
+        },
+        trainer={"autocast": "fp16"},
+    )
+    assert written.optimization.precision.cast_model == "fp32"
+    assert written.optimization.optimizer.fp32_master_weights is False
+    assert written.trainer.autocast == "fp16"
+    profiled = MainConfig(optimization={"profiles": {"p": {"precision": {"preset": "bf16-mixed"}}}})
+    assert profiled.optimization_for("p").precision.cast_model == "bf16"
+    assert profiled.optimization_for(None).precision.cast_model is None
+    with pytest.raises(ValueError, match=r"optimization\.precision\.preset"):
+        MainConfig(optimization={"precision": {"preset": "bf16"}})

@@ -228,3 +228,20 @@ def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path, monkeypatch):
     model = gen.prepare(model)
     fused = [name for name, m in gen.unwrap(model).named_modules() if is_fused(m)]
     assert fused == [f"blocks.{i}.mlp" for i in range(TINY.depth)]
+
+
+def test_diffusers_gelu_approximate_feed_forward_is_fused_and_computes_the_same():
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    reference = FeedForward(16, activation_fn="gelu-approximate")
+    fused = copy.deepcopy(reference)
+    assert apply_fused_gelu_mlp(fused) == 1 and is_fused(fused)
+    assert apply_fused_gelu_mlp(FeedForward(16, activation_fn="gelu")) == 0  # exact GELU
+    assert apply_fused_gelu_mlp(FeedForward(16, activation_fn="geglu")) == 0
+    x = torch.randn(2, 5, 16)
+    ref_dx, ref_grads = grads_of(reference, x)
+    dx, grads = grads_of(fused, x)
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)

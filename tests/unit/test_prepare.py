@@ -160,7 +160,12 @@ def test_memory_budget_policy_needs_compile(tmp_path):
 
 
 def test_reserved_parallel_degrees_raise(tmp_path):
-    with pytest.raises(NotImplementedError, match="sp_size"):
+    with pytest.raises(NotImplementedError, match=r"cp_size=2.*split long sequences with sp_size"):
+        make_gen(tmp_path, optimization={"parallel": {"cp_size": 2}})
+
+
+def test_sequence_parallel_size_must_divide_the_world(tmp_path):
+    with pytest.raises(ValueError, match=r"sp_size=2 must divide the world size 1"):
         make_gen(tmp_path, optimization={"parallel": {"sp_size": 2}})
 
 
@@ -199,3 +204,31 @@ def test_a_failed_model_state_save_keeps_the_previous_one(tmp_path, monkeypatch)
     assert not (target / "half.distcp").exists()
     gen.load_model_state(target, model=model)
     torch.testing.assert_close(gen.unwrap(model).weight, saved)
+
+
+class WithTables(nn.Module):
+    """A model with a frozen part, a persistent buffer and a non-persistent one (a RoPE-like
+    table that state dicts leave out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained, self.frozen = nn.Linear(3, 2), nn.Linear(2, 2).requires_grad_(False)
+        self.register_buffer("scale", torch.ones(2))
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_the_ema_averages_trainable_parameters_and_saves_what_loads_back(tmp_path):
+    gen = make_gen(tmp_path, ema={"enable": True, "decay": 0.5})
+    model = gen.prepare(WithTables())
+    with torch.no_grad():
+        model.trained.weight.add_(2.0)
+        model.frozen.weight.add_(2.0)  # changed behind the EMA's back: it is not averaged
+    gen.update_ema()
+    full = gen.full_ema_state()
+    assert set(full) == set(model.state_dict())  # frozen included, the table left out
+    torch.testing.assert_close(full["frozen.weight"], model.frozen.weight)
+    torch.testing.assert_close(full["trained.weight"], model.trained.weight - 1.0)
+    path = gen.save_ema()
+    again = make_gen(tmp_path, ema={"enable": True, "resume_from": str(path)})
+    again.prepare(WithTables())
+    torch.testing.assert_close(again.full_ema_state()["trained.weight"], full["trained.weight"])

@@ -174,8 +174,8 @@ def test_multi_kernel_keeps_inductors_tuning():
 
 def compile_with_rows(model: nn.Module, limit: int | None, backend=None) -> None:
     """Compile the blocks as prepare does with ``experimental.persistent_rows: limit``."""
-    context = persistent_rows_context(limit) if limit is not None else None
-    compile_blocks(model, CompileConfig(enabled=True), backend=backend, block_context=context)
+    context = [persistent_rows_context(limit)] if limit is not None else []
+    compile_blocks(model, CompileConfig(enabled=True), backend=backend, block_contexts=context)
 
 
 class Blocks(nn.Module):

@@ -24,10 +24,9 @@ app = typer.Typer(
     name="litegen",
     help="Launch and inspect LiteGen training recipes (YAML + an entry module) over torchrun.",
     no_args_is_help=True,
-    add_completion=False,
     # Errors are printed as panels by the commands; a crash must not dump locals.
     pretty_exceptions_show_locals=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
     epilog="Examples: litegen inspect-config recipes/digits_dit.yaml max_steps=10 | "
     "litegen launch recipes/digits_dit.yaml launch.nproc_per_node=2",
 )
@@ -49,6 +48,29 @@ OverridesArg = Annotated[
         show_default=False,
     ),
 ]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from litegen_cli.env_report import version_lines
+
+        typer.echo("\n".join(version_lines()))
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the litegen-core and litegen-cli versions and exit.",
+        ),
+    ] = False,
+) -> None:
+    """The options before the command (the app's help is the Typer's ``help``)."""
 
 
 def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
@@ -152,7 +174,7 @@ def resume(
         Path,
         typer.Option(
             "--from",
-            help="A step_<N> run checkpoint, or the checkpoint_dir holding them (its latest).",
+            help="A `step_<N>` run checkpoint, or the checkpoint_dir holding them (its latest).",
             show_default=False,
         ),
     ],
@@ -188,6 +210,18 @@ def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     render.console.print(render.config_tree(loaded))
     render.console.print(render.plan_table(derive_plan(loaded)))
     render.print_warnings(loaded.warnings)
+
+
+@app.command("env")
+def env() -> None:
+    """Print the environment for a bug report, as Markdown to paste as it is.
+
+    LiteGen's versions, Python, the OS, torch and how it was built (CUDA, cuDNN, NCCL), the
+    GPUs and their driver, and the optional packages found.
+    """
+    from litegen_cli.env_report import environment_report  # imports torch
+
+    typer.echo(environment_report())
 
 
 cache_app = typer.Typer(

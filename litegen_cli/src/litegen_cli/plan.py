@@ -1,7 +1,9 @@
-"""The derived run plan: world size, data-parallel size and per-rank micro batch.
+"""The derived run plan: world size, the (data-parallel x sequence-parallel) mesh, per-rank
+micro batch and sequence length.
 
-Computed from the recipe alone (no torch, no process group), so a bad batch size is caught
-by `inspect-config` and by `launch` before any rank starts.
+Computed from the recipe alone (no torch, no process group), so a bad batch size or degree is
+caught by `inspect-config` and by `launch` before any rank starts. The attention heads belong to
+the model the entry builds, so that sp_size divides them is checked by `prepare`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ class RunPlan:
 
     world_size: int
     dp_size: int
+    sp_size: int
     grad_accum_steps: int
     global_batch_size: int
     micro_batch: int
     strategy: str
     device: str
+    memory: str = "off"  # activation checkpointing and offload, in words
+    # Tokens each rank holds of a sample's sequence (trainer.tokens_per_sample / sp, rounded
+    # up: the sequence is padded to a multiple of sp); None when tokens_per_sample is unset.
+    tokens_per_rank: int | None = None
 
 
 def _get(section: Any, name: str, default: Any) -> Any:
@@ -51,20 +58,29 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     cfg = recipe.config
     parallel = _get(_get(cfg, "optimization", None), "parallel", None)
     world = recipe.launch.nproc_per_node * recipe.launch.nnodes
-    # sp/cp > 1 divide the world into data-parallel groups.
-    model_parallel = 1
-    for name in ("sp_size", "cp_size"):
-        model_parallel *= int(_get(parallel, name, 1))
-    accum = int(_get(_get(cfg, "trainer", None), "grad_accum_steps", 1))
+    strategy = str(_get(parallel, "strategy", "ddp"))
+    sp = int(_get(parallel, "sp_size", 1))
+    trainer = _get(cfg, "trainer", None)
+    accum = int(_get(trainer, "grad_accum_steps", 1))
     gbs = int(_get(cfg, "global_batch_size", 1))
 
     problems = []
-    if world % model_parallel:
+    if int(_get(parallel, "cp_size", 1)) > 1:
         problems.append(
-            f"field 'optimization.parallel': sp_size*cp_size = {model_parallel} does not divide "
-            f"the world size {world} (launch.nproc_per_node * launch.nnodes)"
+            "field 'optimization.parallel.cp_size': ring attention is reserved and not "
+            "implemented; set it to 1 (sp_size splits long sequences over Ulysses attention)"
         )
-    dp = max(world // model_parallel, 1)
+    if world % sp:
+        problems.append(
+            f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
+            f"{world} (launch.nproc_per_node * launch.nnodes)"
+        )
+    if sp > 1 and strategy == "fsdp1":
+        problems.append(
+            "field 'optimization.parallel.sp_size': sequence parallelism is not supported with "
+            "strategy 'fsdp1'; use fsdp2"
+        )
+    dp = max(world // sp, 1)
     if gbs % (dp * accum):
         problems.append(
             f"field 'global_batch_size': {gbs} is not divisible by data-parallel size {dp} "
@@ -75,15 +91,42 @@ def derive_plan(recipe: Recipe) -> RunPlan:
         raise RecipeError(problems)
 
     device = _get(_get(cfg, "runtime", None), "device", None)
+    tokens = _get(trainer, "tokens_per_sample", None)
     return RunPlan(
+        memory=_memory(_get(_get(cfg, "optimization", None), "memory", None)),
         world_size=world,
         dp_size=dp,
+        sp_size=sp,
         grad_accum_steps=accum,
         global_batch_size=gbs,
         micro_batch=gbs // (dp * accum),
-        strategy=str(_get(parallel, "strategy", "ddp")),
+        strategy=strategy,
         device=str(device) if device else AUTO_DEVICE,
+        tokens_per_rank=-(-int(tokens) // sp) if tokens else None,
     )
+
+
+def _memory(memory: Any) -> str:
+    """Activation checkpointing and offload as the plan table shows them."""
+    ac = _get(memory, "activation_checkpoint", None)
+    parts = []
+    if _get(ac, "enabled", False):
+        ratio = _get(ac, "selective_ratio", 1.0)
+        if ratio == "auto":
+            budget = _get(ac, "memory_budget_gib", None)
+            within = (
+                f"{budget} GiB"
+                if budget is not None
+                else f"{_get(ac, 'memory_budget_fraction', 0.9):.0%} of device memory"
+            )
+            parts.append(f"checkpointing auto within {within}: chosen on the first step")
+        else:
+            parts.append(
+                f"checkpointing selective_ratio {ratio}, policy {_get(ac, 'policy', 'block')}"
+            )
+    if _get(memory, "activation_offload", False):
+        parts.append("activation offload")
+    return "; ".join(parts) or "off"
 
 
 def runtime_refusals(recipe: Recipe) -> list[str]:
@@ -104,12 +147,6 @@ def runtime_refusals(recipe: Recipe) -> list[str]:
         sections[f"optimization.profiles.{name}"] = cfg.optimization_for(name)
     for where, opt in sections.items():
         parallel, strategy = opt.parallel, opt.parallel.strategy
-        for degree in ("sp_size", "cp_size"):
-            if getattr(parallel, degree) > 1:
-                problems.append(
-                    f"field '{where}.parallel.{degree}': {getattr(parallel, degree)} is reserved; "
-                    f"only data parallelism is implemented, set {degree}: 1"
-                )
         if strategy == "hsdp" and recipe.launch.nnodes < 2:
             problems.append(
                 f"field '{where}.parallel.strategy': 'hsdp' replicates across nodes and needs "

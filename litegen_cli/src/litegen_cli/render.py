@@ -54,12 +54,21 @@ def plan_table(plan: RunPlan) -> Table:
     rows = [
         ("world size", f"{plan.world_size} (nproc_per_node * nnodes)"),
         ("data-parallel size", str(plan.dp_size)),
+    ]
+    if plan.sp_size > 1:
+        rows += [
+            ("sequence-parallel size", f"{plan.sp_size} (consecutive ranks share each sample)"),
+            ("mesh (dp, sp)", f"({plan.dp_size}, {plan.sp_size})"),
+        ]
+    rows += [
         ("global batch size", str(plan.global_batch_size)),
         ("grad accumulation steps", str(plan.grad_accum_steps)),
         ("per-rank micro batch", f"{plan.micro_batch} (global / (dp * grad_accum))"),
-        ("strategy", plan.strategy),
-        ("device", plan.device),
     ]
+    if plan.tokens_per_rank is not None:
+        how = "trainer.tokens_per_sample / sp, rounded up" if plan.sp_size > 1 else "per sample"
+        rows.append(("tokens per rank", f"{plan.tokens_per_rank} ({how})"))
+    rows += [("strategy", plan.strategy), ("device", plan.device), ("memory", plan.memory)]
     for name, value in rows:
         table.add_row(name, escape(value))
     return table

@@ -13,8 +13,15 @@ which runs the module's hooks inside the compiled region. FSDP's all-gather hook
 Dynamo-disabled, so they would split every block's graph in two. Compiling the instance's
 ``forward`` keeps the hooks eager around the compiled region (torchtitan's layout), and since no
 wrapper module is inserted, ``state_dict`` keys and parameter objects stay the user's (no
-``_orig_mod.`` prefix). A checkpointed block's ``forward`` is already the checkpoint wrapper,
-so the compiled region contains the checkpoint and its recomputation.
+``_orig_mod.`` prefix).
+
+A block that activation checkpointing or offload manages has a
+:class:`litegen.memory.block_forward.BlockForward` as its ``forward``; it is compiled from
+inside (:meth:`~litegen.memory.block_forward.BlockForward.compile`): its plain forward, and with
+``inside_compile`` its checkpointed forward too, each become a compiled callable, while the
+offloader's saved-tensor hooks stay eager around them (hooks entered inside a compiled region
+would break its graph). So each mode has its graph, and the budget planner can switch a
+block's mode without a recompile.
 
 ``dynamic``: ``None`` lets Dynamo compile the first shape static and, at the first new shape,
 recompile once with dynamic sizes (at most two compiles per block for any number of
@@ -22,9 +29,10 @@ resolutions); ``True`` compiles dynamic from the start; ``False`` specialises on
 variable resolutions recompile until ``torch._dynamo.config.recompile_limit`` (8) and then run
 eagerly: use it only for fixed shapes.
 
-``block_context``: a context entered around every call of a compiled block (where its graphs
+``block_contexts``: contexts entered around every call of a compiled block (where its graphs
 compile on the first call and on recompiles), for settings that must reach only LiteGen's blocks;
-the experimental kernels (:mod:`litegen.experimental`) use it.
+sequence parallelism (:func:`litegen.parallel.sequence.compile_context`) and the experimental
+kernels (:mod:`litegen.experimental`) use it.
 
 ``memory_budget`` (activation checkpointing's ``memory_budget`` policy): AOTAutograd's min-cut
 partitioner decides, when it splits a compiled block into forward and backward, which
@@ -51,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -61,6 +70,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from litegen.blocks import repeated_blocks
+from litegen.memory.block_forward import block_forward
 
 log = logging.getLogger("litegen")
 
@@ -75,15 +85,15 @@ class _CompiledForward:
         patched: bool,
         memory_budget: float | None = None,
         is_block: bool = True,
-        block_context: Callable[[], AbstractContextManager] | None = None,
+        block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
     ) -> None:
         self.original = original  # what ``forward`` was: the class's or an instance patch
         self.compiled = compiled
-        self.patched = patched  # whether ``original`` was set on the instance (checkpointing)
+        self.patched = patched  # whether ``original`` was set on the instance
         self.memory_budget = memory_budget
         # A block's backward is its own autograd node; a whole model's is not (module docstring).
         self.is_block = is_block
-        self.block_context = block_context
+        self.block_contexts = tuple(block_contexts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # These settings are read while Dynamo, AOTAutograd and inductor compile the block, which
@@ -96,13 +106,16 @@ class _CompiledForward:
             if self.memory_budget is not None:
                 budget = {"activation_memory_budget": self.memory_budget}
                 settings.enter_context(torch._functorch.config.patch(**budget))
-            if self.block_context is not None:
-                settings.enter_context(self.block_context())
+            for context in self.block_contexts:
+                settings.enter_context(context())
             return self.compiled(*args, **kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled this module's ``forward``."""
+    managed = block_forward(module)
+    if managed is not None:
+        return managed.compiled
     return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
@@ -141,15 +154,16 @@ def compile_blocks(
     paths: Sequence[str] | None = None,
     backend: str | Callable | None = None,
     memory_budget: float | None = None,
-    block_context: Callable[[], AbstractContextManager] | None = None,
+    block_contexts: Sequence[Callable[[], AbstractContextManager]] = (),
 ) -> list[str]:
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
-    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``). ``paths`` overrides the blocks (default:
-    :func:`litegen.memory.repeated_blocks`; the whole model's ``forward`` when it has none).
+    ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``).
+    ``paths`` overrides the blocks (default: :func:`litegen.blocks.repeated_blocks`; the whole
+    model's ``forward`` when it has none).
     ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
     use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward
-    (module docstring); ``None`` leaves compile's default. ``block_context`` is entered around
+    (module docstring); ``None`` leaves compile's default. ``block_contexts`` are entered around
     every call of a compiled block (module docstring).
 
     Example:
@@ -186,13 +200,8 @@ def compile_blocks(
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
         torch._dynamo.config.automatic_dynamic_shapes = True
-    done: list[str] = []
-    for path in paths:
-        module = model.get_submodule(path) if path else model
-        if is_compiled(module):
-            continue
-        original = module.forward
-        patched = "forward" in module.__dict__
+
+    def compiled_forward(original: Callable, patched: bool, is_block: bool) -> _CompiledForward:
         try:
             compiled = torch.compile(original, **kwargs)
         except RuntimeError as exc:  # torch checks the options' names and types here
@@ -203,14 +212,27 @@ def compile_blocks(
                 f"optimization.compile.options: {reason}; the names and types are those of "
                 "torch._inductor.config."
             ) from exc
-        module.forward = _CompiledForward(
+        return _CompiledForward(
             original,
             compiled,
             patched,
             memory_budget,
-            is_block=bool(path),
-            block_context=block_context,
+            is_block=is_block,
+            block_contexts=block_contexts,
         )
+
+    done: list[str] = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        if is_compiled(module):
+            continue
+        managed = block_forward(module)
+        if managed is not None:  # checkpointing/offload: compile what each mode runs
+            managed.compile(functools.partial(compiled_forward, patched=False, is_block=bool(path)))
+        else:
+            module.forward = compiled_forward(
+                module.forward, "forward" in module.__dict__, is_block=bool(path)
+            )
         done.append(path)
     return done
 

@@ -3,9 +3,10 @@
 The sampler walks one global sequence of sample positions: epoch ``e`` is a permutation of the
 dataset seeded by ``(global_seed, e)``, and optimizer step ``s`` consumes positions
 ``[s * G, (s + 1) * G)`` for a global batch ``G``. Each step's global batch is cut into
-``grad_accum_steps`` micro-steps and each micro-step into ``dp_size`` contiguous per-rank
-slices, so the union over ranks and micro-steps is exactly the single-process batch, and the
-cursor (the step) means the same thing at any world size.
+``grad_accum_steps`` micro-steps and each micro-step into ``dp_size`` contiguous slices, one
+per data-parallel group (the ranks of one sequence-parallel group read the same slice), so the
+union over groups and micro-steps is exactly the single-process batch, and the cursor (the step)
+means the same thing at any world size.
 """
 
 from __future__ import annotations

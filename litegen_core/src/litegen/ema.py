@@ -8,6 +8,10 @@ Every EMA tensor is an FP32 shard laid out as a DTensor:
   (``Shard(0)``, the layout FSDP2 uses), so each rank keeps about 1/dp of the average.
 - With ``ema.sharded: false`` the EMA is a full FP32 replica on every rank.
 
+Only trainable parameters (``requires_grad``) are averaged: a frozen one is its own average,
+so LoRA runs keep an EMA of the adapters alone. ``state_dict`` holds what is averaged and the
+buffers; ``LiteGen.full_ema_state`` adds the frozen parameters from the model.
+
 Updates are one fused ``lerp`` over local tensors, without communication. When the optimizer
 keeps FP32 master weights (``state[p]["master"]``), the EMA follows them rather than the
 low-precision parameters. Gathering (``state_dict``) and DCP resharding come from DTensor.
@@ -15,7 +19,7 @@ low-precision parameters. Gathering (``state_dict``) and DCP resharding come fro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,15 +77,30 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers a state dict holds; non-persistent ones (RoPE tables) are
+    rebuilt by the model itself.
+
+    Example:
+        >>> dict(persistent_buffers(nn.BatchNorm1d(4))).keys()
+        dict_keys(['running_mean', 'running_var', 'num_batches_tracked'])
+    """
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
 class BufferMirror:
-    """Copies of a model's buffers, refreshed at every EMA update (buffers are not averaged).
+    """Copies of a model's persistent buffers, refreshed at every EMA update (buffers are not
+    averaged).
 
     Example:
         >>> mirror = BufferMirror(model); mirror.refresh(); mirror.copies["norm.running_mean"]
     """
 
     def __init__(self, model: nn.Module) -> None:
-        named = list(model.named_buffers())
+        named = list(persistent_buffers(model))
         self.copies = {name: b.detach().clone() for name, b in named}
         # Resolved once: walking the module tree at every update costs more than the copies.
         self._pairs = [(self.copies[name], b) for name, b in named]
@@ -123,6 +142,8 @@ class EMA:
         self.optimizer = optimizer
         self.slots: list[_Slot] = []
         for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
             if not sharded:
                 # A full replica; a sharded parameter is gathered at every update.
                 local, slot_mesh, placements = _full, None, ()
@@ -161,7 +182,8 @@ class EMA:
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole average on CPU, keyed like the model. Collective for sharded slots."""
+        """The whole average and the buffers on CPU, keyed like the model. Collective for
+        sharded slots."""
         state = {}
         for slot in self.slots:
             state[slot.name] = _full(slot.as_dtensor()).detach().cpu()
@@ -204,7 +226,8 @@ class WrappedCopyEMA:
     """The EMA as an FP32 copy of the model, wrapped by the same strategy (fsdp1).
 
     Both wrappers shard identically, so each rank averages its local shard pieces
-    element-wise; gathering and DCP go through the strategy like for the model itself.
+    element-wise (the trainable ones); gathering and DCP go through the strategy like for the
+    model itself.
 
     Example:
         >>> ema = WrappedCopyEMA(model, strategy.wrap_model(copy.float()), strategy)
@@ -215,8 +238,14 @@ class WrappedCopyEMA:
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        sources = [p.detach().float() for p in self.model.parameters()]
-        torch._foreach_lerp_([p.detach() for p in self.copy.parameters()], sources, 1.0 - decay)
+        pairs = [
+            (mine.detach(), theirs.detach().float())
+            for mine, theirs in zip(self.copy.parameters(), self.model.parameters(), strict=True)
+            if theirs.requires_grad
+        ]
+        if pairs:
+            targets, sources = zip(*pairs, strict=True)
+            torch._foreach_lerp_(list(targets), list(sources), 1.0 - decay)
         for mine, theirs in zip(self.copy.buffers(), self.model.buffers(), strict=True):
             mine.copy_(theirs)
 
@@ -224,7 +253,8 @@ class WrappedCopyEMA:
         return {k: v.detach().cpu() for k, v in self.strategy.full_model_state(self.copy).items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.strategy.load_full_model_state(self.copy, state)
+        # Callers check the keys first; a LoRA run's EMA file holds only the adapters.
+        self.strategy.load_full_model_state(self.copy, state, strict=False)
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
         return self.strategy.dcp_state(self.copy)["model"]

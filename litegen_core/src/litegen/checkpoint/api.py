@@ -1,7 +1,8 @@
 """The checkpoint half of the LiteGen object: single files, DCP folders, loads and resume.
 
 Mixed into :class:`litegen.runtime.litegen.LiteGen`, whose ``config``, ``ema``,
-``is_main_process``, ``models`` and ``_entry`` (the prepared model a call refers to) it uses.
+``is_main_process``, ``models``, ``lora_prefix`` and ``_entry`` (the prepared model a call
+refers to) it uses.
 
     gen.save_model(step=1000)                      # <checkpoint_dir>/<exp_name>_step1000.pth
     gen.save_model_state("ckpt/1000", optimizer=optimizer, ema=True)   # sharded, reshards
@@ -27,6 +28,8 @@ from litegen.checkpoint.files import (
     save_state,
 )
 from litegen.checkpoint.run_state import Trainable
+from litegen.ema import persistent_buffers
+from litegen.lora import adapter_file_state, has_adapters, is_adapter_file, model_keyed
 
 if TYPE_CHECKING:
     from litegen.runtime.prepare import PreparedModel
@@ -52,12 +55,18 @@ class CheckpointAPI:
             step=step,
         )
 
-    def _write(self, state: dict, path: Path) -> Path:
+    def _write(self, state: dict, path: Path, metadata: dict[str, str] | None = None) -> Path:
         if self.is_main_process:
-            save_state(state, path)
+            save_state(state, path, metadata)
             log.info("saved %s", path)
         dist.barrier()
         return path
+
+    def _write_adapters(self, entry: PreparedModel, state: dict, path: Path) -> Path:
+        """Write the LoRA adapters of ``state`` (full values) in diffusers' layout."""
+        module = entry.strategy.unwrap(entry.module)
+        tensors, metadata = adapter_file_state(module, state, self.lora_prefix)
+        return self._write(tensors, path, metadata)
 
     def save_model(
         self,
@@ -68,9 +77,17 @@ class CheckpointAPI:
     ) -> Path:
         """Gather the full model state; rank 0 writes one file. Call on every rank.
 
+        A model with LoRA adapters (``optimization.lora`` or the user's peft model) writes the
+        adapters alone, in diffusers' layout: ``<exp_name>.lora.safetensors`` by default.
+
         Example:
             >>> gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
         """
+        entry = self._entry(model)
+        if has_adapters(entry.module):
+            state = entry.strategy.full_model_state(entry.module, trainable_only=True)
+            path = self._path("lora", output_folder, filename, step)
+            return self._write_adapters(entry, state, path)
         state = self.full_model_state(model)
         return self._write(state, self._path("model", output_folder, filename, step))
 
@@ -174,20 +191,32 @@ class CheckpointAPI:
     def save_ema(
         self, output_folder: str | None = None, filename: str | None = None, step: int | None = None
     ) -> Path:
-        """Write the EMA weights as one full file. Call on every rank."""
+        """Write the EMA weights as one full file (the adapters alone for a LoRA model, as
+        ``<exp_name>.ema.lora.safetensors``). Call on every rank."""
+        entry = self._entry()
+        if self.ema is not None and has_adapters(entry.module):
+            path = self._path("ema_lora", output_folder, filename, step)
+            return self._write_adapters(entry, self.ema.state_dict(), path)
         return self._write(self.full_ema_state(), self._path("ema", output_folder, filename, step))
 
     def full_ema_state(self) -> dict[str, torch.Tensor]:
         """The whole EMA model state on CPU, keyed like the model. Call on every rank.
 
-        Raises ``ValueError`` without an EMA; ``full_sampling_state`` falls back to the model.
+        The EMA averages the trainable parameters; frozen ones (a LoRA model's base) come from
+        the model. Raises ``ValueError`` without an EMA; ``full_sampling_state`` falls back to
+        the model.
 
         Example:
             >>> sampler_model.load_state_dict(gen.full_ema_state())
         """
         if self.ema is None:
             raise ValueError("the EMA needs ema.enable: true and a prepared trainable model.")
-        return self.ema.state_dict()
+        averaged = self.ema.state_dict()
+        entry = self._entry()
+        frozen = [p for p in entry.module.parameters() if not p.requires_grad]
+        if not frozen:
+            return averaged
+        return {**entry.strategy.full_model_state(entry.module), **averaged}
 
     def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The weights to sample with: the EMA's when ``ema.enable``, else the model's.
@@ -198,9 +227,15 @@ class CheckpointAPI:
         return self.full_ema_state() if self.ema is not None else self.full_model_state(model)
 
     def load(self, model: nn.Module, path: str | Path) -> None:
-        """Load full model weights (.pth or .safetensors) into a prepared model."""
+        """Load full model weights (.pth or .safetensors) into a prepared model; a model with
+        LoRA adapters also takes an adapter file written by :meth:`save_model`."""
         entry = self._entry(model)
         state = load_state(path, what="model")
+        if has_adapters(entry.module) and is_adapter_file(state):
+            module = entry.strategy.unwrap(entry.module)
+            adapters = model_keyed(module, state, self.lora_prefix, path)
+            entry.strategy.load_full_model_state(entry.module, adapters, strict=False)
+            return
         # The strategy's sharded state has every key at its global shape; the unwrapped module's
         # own state_dict() does not under FSDP1 (flat shards, and it breaks FSDP1's lazy init).
         check_model_state(entry.strategy.dcp_state(entry.module)["model"], state, path)
@@ -215,7 +250,10 @@ class CheckpointAPI:
         """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
         state = load_state(path, what="ema.resume_from")
         model = entry.strategy.unwrap(entry.module)
-        expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        if has_adapters(model) and is_adapter_file(state):
+            self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
+            return
+        expected = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
         check_model_state(expected, state, path)
         self.ema.load_state_dict(state)
 

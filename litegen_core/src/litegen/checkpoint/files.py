@@ -20,8 +20,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-Kind = Literal["model", "optimizer", "ema"]
-_SUFFIX: dict[str, str] = {"model": ".pth", "optimizer": ".optim_state.pth", "ema": ".ema.pth"}
+Kind = Literal["model", "optimizer", "ema", "lora", "ema_lora"]
+_SUFFIX: dict[str, str] = {
+    "model": ".pth",
+    "optimizer": ".optim_state.pth",
+    "ema": ".ema.pth",
+    # The adapters of a LoRA run (litegen.lora), in place of the model and EMA files.
+    "lora": ".lora.safetensors",
+    "ema_lora": ".ema.lora.safetensors",
+}
 
 
 def checkpoint_path(
@@ -47,9 +54,10 @@ def checkpoint_path(
 
 
 def optimizer_path_for(model_path: str | Path) -> Path:
-    """The optimizer file saved beside a model file: ``model_10.pth`` -> ``model_10.optim_state.pth``."""
+    """The optimizer file saved beside a model file: ``model_10.pth`` -> ``model_10.optim_state.pth``
+    (``model_10.lora.safetensors`` too)."""
     path = Path(model_path)
-    stem = path.name.removesuffix(".safetensors").removesuffix(".pth")
+    stem = path.name.removesuffix(".safetensors").removesuffix(".pth").removesuffix(".lora")
     return path.with_name(stem + _SUFFIX["optimizer"])
 
 
@@ -97,13 +105,16 @@ def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     return final
 
 
-def save_state(state: Mapping[str, Any], path: str | Path) -> Path:
-    """Write a state dict atomically; a ``.safetensors`` name selects the safetensors format."""
+def save_state(
+    state: Mapping[str, Any], path: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write a state dict atomically; a ``.safetensors`` name selects the safetensors format,
+    whose header gets ``metadata`` (other formats have no header and ignore it)."""
     if str(path).endswith(".safetensors"):
         # safetensors refuses shared or non-contiguous storage; checkpoints are small enough
         # on the CPU to copy once.
         tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return atomic_write(path, lambda tmp: torch.save(dict(state), tmp))
 
 

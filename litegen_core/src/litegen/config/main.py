@@ -25,7 +25,13 @@ from pydantic import Field, field_validator, model_validator
 
 from litegen.config.base import Config, ConfigError
 from litegen.config.checks import IgnoredOptionWarning, ignored_options, typo_problems
-from litegen.config.sections import EMAConfig, OptimizationConfig, RuntimeConfig, TrainerConfig
+from litegen.config.sections import (
+    EMAConfig,
+    OptimizationConfig,
+    RuntimeConfig,
+    TrainerConfig,
+    value_at,
+)
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -79,6 +85,20 @@ class MainConfig(Config):
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     global_batch_size: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _precision_preset_autocast(cls, data: Any) -> Any:
+        # The rest of a preset lives in the optimization section; autocast is the trainer's.
+        preset = value_at(data, "optimization", "precision", "preset")
+        if preset == "bf16-mixed" and value_at(data, "trainer", "autocast") is None:
+            data = dict(data)
+            trainer = data.get("trainer")
+            data["trainer"] = {
+                **(trainer if isinstance(trainer, Mapping) else {}),
+                "autocast": "bf16",
+            }
+        return data
 
     @field_validator("auto_resume")
     @classmethod

@@ -100,9 +100,23 @@ class FSDP2MixedConfig(Section):
     cast_forward_inputs: bool = True
 
 
+PRECISION_PRESETS: dict[str, dict[str, Any]] = {
+    # Parameters stored (and gathered, and reduced) in bf16, stepped through FP32 masters; the
+    # forward runs under bf16 autocast (MainConfig sets trainer.autocast).
+    "bf16-mixed": {
+        "precision": {"cast_model": "bf16"},
+        "optimizer": {"fp32_master_weights": True},
+    },
+}
+"""``optimization.precision.preset`` -> the optimization fields it sets (unless set explicitly)."""
+
+
 class PrecisionConfig(Section):
     """Model dtype cast and mixed precision (``optimization.precision``)."""
 
+    preset: Literal[tuple(PRECISION_PRESETS)] | None = None  # type: ignore[valid-type]
+    """A named combination of the fields below, ``optimizer.fp32_master_weights`` and
+    ``trainer.autocast``; fields written in the config win over it."""
     cast_model: Dtype | None = None
     cast_exclude_paths: list[str] = Field(default_factory=list)
     fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
@@ -136,7 +150,19 @@ class ActivationCheckpointConfig(Section):
     """Activation checkpointing (``optimization.memory.activation_checkpoint``)."""
 
     enabled: bool = False
-    selective_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share left uncheckpointed")
+    selective_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        1.0, description="share left uncheckpointed; auto: the least that fits the budget"
+    )
+    """``auto`` measures the first training step (every candidate checkpointed) and, from the
+    second step, checkpoints the fewest blocks whose estimated peak fits ``memory_budget_gib``
+    (or ``memory_budget_fraction`` of the device), offloading only if ``activation_offload``
+    allows it and checkpointing alone does not fit."""
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="selective_ratio auto: peak device memory to fit, in GiB"
+    )
+    memory_budget_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="selective_ratio auto without memory_budget_gib"
+    )
     target_paths: list[str] = Field(default_factory=list)
     policy: Literal["block", "ops", "ops_lean", "memory_budget"] = "block"
     """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the
@@ -146,6 +172,36 @@ class ActivationCheckpointConfig(Section):
     memory_budget: float = Field(
         0.5, ge=0.0, le=1.0, description="policy memory_budget: 0 saves least, 1 as compile does"
     )
+    inside_compile: bool = True
+    """With ``optimization.compile``: ``true`` compiles each block with its checkpoint inside
+    (compile's partitioner plans the recompute; op-level policies need it), ``false``
+    checkpoints the compiled block from outside (as ``checkpoint_wrapper(compiled_block)``)."""
+
+    @model_validator(mode="after")
+    def _auto_rules(self) -> ActivationCheckpointConfig:
+        fields = type(self).model_fields
+        budget_fields = [
+            name
+            for name in ("memory_budget_fraction", "memory_budget_gib")
+            if getattr(self, name) != fields[name].default
+        ]
+        if self.selective_ratio != "auto" and budget_fields:
+            raise ValueError(
+                f"{', '.join(budget_fields)} sets the budget of selective_ratio: auto, "
+                f"and selective_ratio is {self.selective_ratio}; set selective_ratio: auto, or "
+                "remove the budget."
+            )
+        if self.selective_ratio == "auto" and self.policy != "block":
+            raise ValueError(
+                "selective_ratio: auto chooses how many blocks to checkpoint whole, and policy is "
+                f"{self.policy}; use policy: block with auto, or a number for selective_ratio."
+            )
+        if not self.inside_compile and self.policy in ("ops", "ops_lean"):
+            raise ValueError(
+                f"policy {self.policy} chooses ops inside the compiled block, which it sees only "
+                "with the checkpoint inside compile; set inside_compile: true, or policy: block."
+            )
+        return self
 
 
 class MemoryConfig(Section):
@@ -155,6 +211,10 @@ class MemoryConfig(Section):
         default_factory=ActivationCheckpointConfig
     )
     activation_offload: bool = False
+    """Offload the saved activations of the candidate blocks to pinned host memory:
+    checkpointed blocks' inputs, everything other blocks save (the last block keeps its own).
+    Needs no checkpointing; with ``selective_ratio: auto`` it lets the planner offload when
+    checkpointing alone cannot meet the budget."""
 
 
 class KernelsConfig(Section):
@@ -183,6 +243,27 @@ class ExperimentalConfig(Section):
     ``optimizer.fp32_master_weights`` and ``backend: fused``)."""
 
 
+class LoRAConfig(Section):
+    """LoRA adapters on the first trainable model, through peft (``optimization.lora``).
+
+    ``prepare`` injects them and freezes the rest of the model; ``null`` (the default) trains
+    the whole model. See docs/lora.md.
+    """
+
+    rank: int = Field(16, ge=1)
+    alpha: float | None = Field(None, gt=0, description="None: the rank (scale alpha/rank = 1)")
+    target_modules: list[str] | str = Field(min_length=1)
+    """Module names (or name suffixes, such as ``to_q``) to adapt, as peft's
+    ``LoraConfig.target_modules``; a string is a regular expression over the full names, or
+    ``all-linear``."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    prefix: str = Field(
+        "transformer", min_length=1, description="key prefix of the saved adapter file"
+    )
+    """The pipeline component the adapters belong to: diffusers' ``load_lora_weights`` reads
+    ``transformer.*`` keys into ``pipe.transformer`` (``unet`` for U-Nets)."""
+
+
 @functools.cache
 def profile_model(section: type[Section]) -> type[ProfileSection]:
     """Partial twin of ``section``: same fields and constraints, all optional.
@@ -206,6 +287,15 @@ def profile_model(section: type[Section]) -> type[ProfileSection]:
     return create_model(name, __base__=ProfileSection, __doc__=doc, **fields)
 
 
+def value_at(data: Any, *keys: str) -> Any:
+    """``data[k0][k1]...`` of nested mappings, or None where a level is missing."""
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
@@ -226,7 +316,16 @@ class OptimizationConfig(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
+    lora: LoRAConfig | None = None
     profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_precision_preset(cls, data: Any) -> Any:
+        preset = value_at(data, "precision", "preset")
+        if preset not in PRECISION_PRESETS:
+            return data  # None, or a name the field's own validation rejects
+        return _deep_merge(PRECISION_PRESETS[preset], data)
 
     def resolve(self, profile: str | None = None) -> OptimizationConfig:
         """General settings for ``None``, else the profile merged over them.

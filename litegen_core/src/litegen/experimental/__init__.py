@@ -18,7 +18,7 @@ Example:
     >>> from litegen.experimental import Lab
     >>> lab = Lab(config.optimization.experimental, compile_options={})
     >>> lab.swap_modules(model)                 # before checkpointing and compile
-    >>> compile_blocks(model, cfg, block_context=lab.block_context())
+    >>> compile_blocks(model, cfg, block_contexts=[lab.block_context()])
     >>> lab.configure_optimizer(optimizer)      # after the strategy wrapped it
 """
 

@@ -42,9 +42,8 @@ _COMPUTE_32F, _R_32F = 68, 0
 _STATUS_NOT_SUPPORTED = 15
 _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}
 _WORKSPACE_BYTES = 32 * 2**20
-# Algorithms asked of the heuristic per plan; all are timed on the first call. 10 runs each
-# (about 50 ms per plan at workload C's shapes): with 3, a forward plan once kept a candidate
-# 3% slower than the heuristic's.
+# Algorithms asked of the heuristic per plan; all are timed on the first call, 10 runs each
+# (fewer runs let timing noise keep a slower candidate).
 _CANDIDATES, _TIMED_RUNS = 8, 10
 
 

@@ -5,7 +5,10 @@
 
 * an ``nn.Sequential`` of exactly ``Linear, GELU(approximate="tanh"), Linear``;
 * timm's own ``Mlp`` (``fc1``, ``act``, ``fc2``) with its dropouts at 0 and no norm, which the
-  reference DiT uses; a class of another library that is merely named ``Mlp`` is left alone.
+  reference DiT uses; a class of another library that is merely named ``Mlp`` is left alone;
+* diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"`` (its ``net`` holds
+  diffusers' ``GELU``, a ``Linear`` then the tanh GELU, then dropouts at 0 and a ``Linear``),
+  the MLP of diffusers' DiT, PixArt, Wan and CogVideoX transformers.
 
 Both linears need a bias. Exact GELU (``approximate="none"``) is left alone, since the
 epilogues are the tanh form. So is an MLP whose layers carry hooks, parametrizations (weight
@@ -27,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,23 +41,37 @@ from litegen.experimental.gelu_mlp import gelu_mlp
 _TIMM_MLP_NO_OPS = ("drop1", "norm", "drop2")
 
 
-def _layers(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
-    """``(fc1, act, fc2)`` of a three-layer Sequential or of timm's ``Mlp``, else None."""
+def _layers(module: nn.Module) -> tuple[nn.Module, ...] | None:
+    """``(fc1, act, fc2)`` of a three-layer Sequential or of timm's ``Mlp``, ``(gelu, fc2)`` of
+    diffusers' ``FeedForward`` (whose GELU module holds fc1), else None."""
     if _base(type(module)) is nn.Sequential:  # not subclasses: they have a forward of their own
         return tuple(module) if len(module) == 3 else None
-    if _is_timm_mlp(type(module)) and all(
+    if _runs_library_forward(type(module), "Mlp.forward", "timm.") and all(
         _is_no_op(getattr(module, name, None)) for name in _TIMM_MLP_NO_OPS
     ):
         return module.fc1, module.act, module.fc2
+    if _runs_library_forward(type(module), "FeedForward.forward", "diffusers."):
+        net = list(getattr(module, "net", []))
+        if len(net) >= 3 and all(_is_no_op(m) for m in net[1:2] + net[3:]):
+            return net[0], net[2]
     return None
 
 
-def _is_timm_mlp(cls: type) -> bool:
-    """Whether ``cls`` (or the class a fused one was made from) runs timm's ``Mlp.forward``."""
+def _runs_library_forward(cls: type, qualname: str, library: str) -> bool:
+    """Whether ``cls`` (or the class a fused one was made from) runs ``library``'s
+    ``qualname`` as its forward; a class merely named like it is not enough."""
     forward = _base(cls).forward
     # getattr: a class's forward may be any callable (a partial, a scripted method).
-    qualname, module = getattr(forward, "__qualname__", ""), getattr(forward, "__module__", "")
-    return qualname == "Mlp.forward" and (module or "").startswith("timm.")
+    name, module = getattr(forward, "__qualname__", ""), getattr(forward, "__module__", "")
+    return name == qualname and (module or "").startswith(library)
+
+
+def _diffusers_tanh_gelu(module: nn.Module) -> nn.Linear | None:
+    """The ``proj`` of diffusers' ``GELU(approximate="tanh")``, else None."""
+    if not _runs_library_forward(type(module), "GELU.forward", "diffusers."):
+        return None
+    proj = getattr(module, "proj", None)
+    return proj if getattr(module, "approximate", None) == "tanh" else None
 
 
 def _is_no_op(module: nn.Module | None) -> bool:
@@ -84,21 +102,27 @@ def fusable_linears(module: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
     layers = _layers(module)
     if layers is None or "forward" in module.__dict__:
         return None
-    fc1, act, fc2 = layers
-    if not (type(fc1) is nn.Linear and type(act) is nn.GELU and type(fc2) is nn.Linear):
+    if len(layers) == 2:  # diffusers' FeedForward: GELU(proj), then fc2
+        fc1, fc2 = _diffusers_tanh_gelu(layers[0]), layers[1]
+        layers = (*layers, fc1)
+    else:
+        fc1, act, fc2 = layers
+        if type(act) is not nn.GELU or act.approximate != "tanh":
+            return None
+    if not (type(fc1) is nn.Linear and type(fc2) is nn.Linear):
         return None
-    if act.approximate != "tanh" or fc1.bias is None or fc2.bias is None:
+    if fc1.bias is None or fc2.bias is None:
         return None
     if fc1.out_features != fc2.in_features:
         return None
     return (fc1, fc2) if all(_runs_its_class_forward(m) for m in layers) else None
 
 
-def _fused_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _fused_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     # Reads the parameters at every call, so wrappers that swap them (FSDP) still work.
     linears = fusable_linears(self)
-    if linears is None:  # changed since it was fused (module docstring)
-        return _base(type(self)).forward(self, x)
+    if linears is None or args or kwargs:  # changed since it was fused (module docstring)
+        return _base(type(self)).forward(self, x, *args, **kwargs)
     fc1, fc2 = linears
     # Casts like nn.Linear under autocast: inputs and parameters to the autocast dtype, with
     # gradients flowing back through the casts.
@@ -123,13 +147,14 @@ def _rebuild(base: type[nn.Module]) -> nn.Module:
 
 
 def _reduce_ex(self: nn.Module, protocol: int):
-    # A generated class cannot be imported by name; its base (nn.Sequential, timm's) can.
+    # A generated class cannot be imported by name; its base (nn.Sequential, a library's) can.
     return _rebuild, (_base(type(self)),), self.__dict__
 
 
 @functools.cache
 def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The fused subclass of ``cls`` (``nn.Sequential`` or timm's ``Mlp``)."""
+    """The fused subclass of ``cls`` (``nn.Sequential``, timm's ``Mlp``, diffusers'
+    ``FeedForward``)."""
     return type(
         f"FusedGelu{cls.__name__}",
         (cls,),

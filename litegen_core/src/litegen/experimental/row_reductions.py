@@ -1,32 +1,27 @@
-"""One-pass (persistent) norms in compiled blocks: ``optimization.compile.persistent_rows``.
+"""One-pass (persistent) norms in compiled blocks: ``optimization.experimental.persistent_rows``.
 
 Inductor compiles a reduction along rows of at most 1024 elements as a *persistent* Triton
 kernel: a program holds its rows in registers, so a LayerNorm reads its input once. Longer rows
 get a *looped* kernel that reads them twice, once for the mean and variance and once to
-normalise. DiT-XL's hidden size, 1152, sits just past the limit. On one H200, the two forward
-norm kernels of workload C's blocks (fused with the residual add and the adaLN modulation)
-took 7.1 ms a step looped and 5.3 ms persistent (docs/benchmarks.md).
+normalise. DiT-XL's hidden size, 1152, and Wan 1.3B's, 1536, sit past the limit.
 
 Forward rows made persistent here also get a fixed launch config, one row a program and a warp
-for every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning. Its
-coordinate-descent search stops at the first config that no neighbour beats by 0.1%, and where
-it stopped changed from one machine start to the next: C's two forward norm kernels took 3.8
-to 6.4 ms a step on three starts. At C's shape the fixed config was the fastest of a grid of 20
-(``scripts/sweep_row_kernels.py``: 44.8 and 83.3 us a call against the autotuned 67.8 and
-99.3), and a step's two kernels take 3.7 ms. Torch 2.11 cannot generate every kernel with one
-row a program, so there the config has two (:data:`ROWS_PER_PROGRAM`).
+for every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning, whose
+coordinate-descent search stopped at different configs from one machine start to the next; the
+fixed config measured fastest of a grid (``scripts/sweep_row_kernels.py``, benchmarks/). Torch
+2.11 cannot generate every kernel with one row a program, so there the config has two
+(:data:`ROWS_PER_PROGRAM`).
 
 Backward rows: the input gradient of a LayerNorm is a row reduction too. Those rows are made
 persistent kernel by kernel, where inductor's tiling scores call the kernel a row reduction;
-C's sums of gradients down the tokens (the adaLN scale and shift) keep their loop, which
-measured faster than persistent. Their launch config stays autotuned, because a fixed one
-with one row a program is what torch 2.11 fails to generate for them. In C the two backward
-norm kernels took 4.2 + 2.0 ms a step against 4.8 + 3.4 looped.
+sums of gradients down the tokens (the adaLN scale and shift) keep their loop, which measured
+faster. Their launch config stays autotuned, because a fixed one with one row a program is what
+torch 2.11 fails to generate for them.
 
 :class:`PersistentRows` is inductor's own heuristics (``InductorChoices``) with that one
-threshold raised and those launch configs. :mod:`litegen.compile` installs it only around
-calls of LiteGen's compiled blocks, where their forward and backward graphs compile, so other
-compiled code in the process is unchanged.
+threshold raised and those launch configs. :func:`persistent_rows_context` installs it only
+around calls of LiteGen's compiled blocks, where their forward and backward graphs compile, so
+other compiled code in the process is unchanged.
 
 Example:
     >>> from torch._inductor.virtualized import V
@@ -234,7 +229,7 @@ def persistent_rows_context(
     post-grad pass there turns the caches off instead.
 
     Example:
-        >>> compile_blocks(dit, compile_cfg, block_context=persistent_rows_context(2048))
+        >>> compile_blocks(dit, compile_cfg, block_contexts=[persistent_rows_context(2048)])
     """
     from torch._inductor.virtualized import V
 

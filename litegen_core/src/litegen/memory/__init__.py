@@ -1,7 +1,7 @@
-"""Memory optimisations: activation checkpointing and CPU offload of a model's blocks.
+"""Memory savers: activation checkpointing and offload of a model's blocks, budgets, stats.
 
 ``prepare`` calls :func:`apply_memory_optimizations` once per trainable model, after casting and
-kernel replacement and before the strategy wraps the model (torchtitan's order: checkpointing,
+kernel replacement and before compile and the strategy's wrap (torchtitan's order: checkpointing,
 then compile, then sharding), so it works the same under every strategy.
 """
 
@@ -10,59 +10,107 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from litegen.blocks import repeated_blocks
-from litegen.memory.checkpointing import checkpoint_modules, is_checkpointed, select_evenly
+from litegen.memory.block_forward import BlockForward, block_forward
+from litegen.memory.budget import BudgetPlanner, Plan
+from litegen.memory.checkpointing import (
+    checkpoint_modules,
+    is_checkpointed,
+    select_evenly,
+    wrap_blocks,
+)
 from litegen.memory.offload import ActivationOffloader, OffloadStats
+from litegen.memory.stats import format_peak_memory, peak_memory_since_last_call
 
 __all__ = [
     "ActivationOffloader",
+    "BlockForward",
+    "BudgetPlanner",
     "MemoryReport",
     "OffloadStats",
     "apply_memory_optimizations",
+    "block_forward",
     "checkpoint_modules",
+    "format_peak_memory",
     "is_checkpointed",
+    "peak_memory_since_last_call",
     "select_evenly",
+    "wrap_blocks",
 ]
 
 
 @dataclass
 class MemoryReport:
-    """What :func:`apply_memory_optimizations` did to one model."""
+    """What :func:`apply_memory_optimizations` did to one model (``planner`` updates it)."""
 
     candidates: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
     policy: str = "block"
     offloader: ActivationOffloader | None = None
     memory_budget: float | None = None  # policy memory_budget: applied by compile_blocks
+    offloaded: list[str] = field(default_factory=list)
+    planner: BudgetPlanner | None = None  # selective_ratio auto
 
     def describe(self) -> str:
         """One log line, e.g. ``checkpointed 2 of 4 blocks (policy block): b.1, b.3; offload on``."""
+        offload = (
+            f"activation offload: {len(self.offloaded)} of {len(self.candidates)} blocks"
+            if self.offloader is not None
+            else "activation offload off"
+        )
         if self.memory_budget is not None:
             return (
                 "activation checkpointing: compile's partitioner chooses what the compiled "
-                f"blocks save (policy memory_budget, {self.memory_budget})"
+                f"blocks save (policy memory_budget, {self.memory_budget}); {offload}"
+            )
+        if self.planner is not None and self.planner.plan is None:
+            budget = self.planner.budget_bytes
+            within = (
+                f"{budget / 2**30:.2f} GiB"
+                if budget is not None
+                else f"{self.planner.budget_fraction:.0%} of device memory"
+            )
+            return (
+                f"activation checkpointing: auto within {within}, chosen on the first step "
+                f"(all {len(self.candidates)} candidate blocks checkpointed until then); "
+                f"offload {'allowed' if self.planner.may_offload else 'off'}"
             )
         if not self.checkpointed:
-            return f"activation checkpointing: none of {len(self.candidates)} candidate blocks"
-        offload = "on" if self.offloader is not None else "off"
+            return (
+                f"activation checkpointing: none of {len(self.candidates)} candidate blocks; "
+                f"{offload}"
+            )
         return (
             f"activation checkpointing: {len(self.checkpointed)} of {len(self.candidates)} "
-            f"blocks (policy {self.policy}): {', '.join(self.checkpointed)}; "
-            f"activation offload {offload}"
+            f"blocks (policy {self.policy}): {', '.join(self.checkpointed)}; {offload}"
         )
+
+    def _planned(self, plan: Plan) -> None:
+        self.checkpointed, self.offloaded = list(plan.checkpointed), list(plan.offloaded)
 
 
 def apply_memory_optimizations(
-    model: nn.Module, memory: Any, *, candidates: list[str] | None = None
+    model: nn.Module,
+    memory: Any,
+    *,
+    candidates: list[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> MemoryReport:
-    """Checkpoint (and offload) the blocks ``optimization.memory`` asks for, in place.
+    """Checkpoint and offload the blocks ``optimization.memory`` asks for, in place.
 
     ``memory`` is an ``optimization.memory`` section (``MemoryConfig``). The blocks chosen from
     are ``activation_checkpoint.target_paths`` when given, else ``candidates`` (``prepare``
     passes the strategy's :meth:`~litegen.parallel.base.Strategy.checkpoint_candidates`), else
-    the model's repeated blocks; all in forward (registration) order.
+    the model's repeated blocks; all in forward (registration) order. ``device`` is the
+    training device (``selective_ratio: auto`` on a CPU needs ``memory_budget_gib``).
+
+    Offload (``activation_offload``) covers every candidate block but the last, whose saved
+    tensors the backward needs first: checkpointed blocks' inputs, everything the other blocks
+    save. With ``selective_ratio: auto`` every candidate is checkpointed for the first step and
+    a :class:`BudgetPlanner` sets the blocks from the second (``report.planner``).
 
     Example:
         >>> cfg = MemoryConfig(activation_checkpoint={"enabled": True, "selective_ratio": 0.5})
@@ -70,29 +118,55 @@ def apply_memory_optimizations(
         ['blocks.1', 'blocks.3']
     """
     ac = memory.activation_checkpoint
-    if memory.activation_offload and (not ac.enabled or ac.selective_ratio >= 1.0):
+    budget_policy = ac.enabled and ac.policy == "memory_budget"
+    report = MemoryReport(
+        policy=ac.policy, memory_budget=ac.memory_budget if budget_policy else None
+    )
+    checkpointing = ac.enabled and not budget_policy  # memory_budget: compile_blocks recomputes
+    if not checkpointing and not memory.activation_offload:
+        return report
+    auto = checkpointing and ac.selective_ratio == "auto"
+    budget = None if ac.memory_budget_gib is None else int(ac.memory_budget_gib * 2**30)
+    if auto and budget is None and device is not None and torch.device(device).type == "cpu":
         raise ValueError(
-            "optimization.memory.activation_offload moves the inputs of checkpointed blocks, "
-            f"but activation_checkpoint has enabled={ac.enabled}, selective_ratio="
-            f"{ac.selective_ratio}, so no block is checkpointed; set activation_checkpoint."
-            "enabled: true with selective_ratio below 1, or activation_offload: false."
+            "optimization.memory.activation_checkpoint.selective_ratio: auto takes a fraction of "
+            "the device's memory, and a cpu has none to measure; set memory_budget_gib."
         )
-    if not ac.enabled:
-        return MemoryReport(policy=ac.policy)
-    if ac.policy == "memory_budget":
-        # No block is wrapped: compile's partitioner does the recomputation (compile_blocks).
-        if memory.activation_offload:
-            raise ValueError(
-                "optimization.memory.activation_offload moves the inputs of checkpointed "
-                "blocks, and activation_checkpoint.policy memory_budget checkpoints none; use "
-                "policy block, ops or ops_lean with offload, or set activation_offload: false."
-            )
-        return MemoryReport(policy=ac.policy, memory_budget=ac.memory_budget)
     if ac.target_paths:
-        candidates = list(ac.target_paths)
-    elif candidates is None:
-        candidates = repeated_blocks(model)
-    chosen = select_evenly(candidates, ac.selective_ratio)
-    offloader = ActivationOffloader() if memory.activation_offload and chosen else None
-    checkpoint_modules(model, chosen, policy=ac.policy, offloader=offloader)
-    return MemoryReport(candidates, chosen, ac.policy, offloader)
+        report.candidates = list(ac.target_paths)
+    else:
+        report.candidates = list(candidates) if candidates is not None else repeated_blocks(model)
+    if not checkpointing:
+        checkpointed: list[str] = []
+    elif auto:
+        checkpointed = list(report.candidates)
+    else:
+        checkpointed = select_evenly(report.candidates, ac.selective_ratio)
+    offloaded = report.candidates[:-1] if memory.activation_offload and not auto else []
+    report.offloader = ActivationOffloader() if memory.activation_offload else None
+    # Static choices wrap only the blocks they change; auto may switch any candidate.
+    paths = (
+        report.candidates
+        if auto
+        else [p for p in report.candidates if p in checkpointed or p in offloaded]
+    )
+    blocks = wrap_blocks(
+        model,
+        paths,
+        checkpointed=checkpointed,
+        offloaded=offloaded,
+        policy=ac.policy if checkpointing else "block",
+        offloader=report.offloader,
+        inside_compile=ac.inside_compile,
+    )
+    report.checkpointed, report.offloaded = checkpointed, offloaded
+    if auto and blocks:
+        report.planner = BudgetPlanner(
+            blocks,
+            budget_bytes=budget,
+            budget_fraction=ac.memory_budget_fraction,
+            may_offload=memory.activation_offload,
+            blocks_in_flight=report.offloader.blocks_in_flight if report.offloader else 2,
+            on_plan=report._planned,
+        )
+    return report

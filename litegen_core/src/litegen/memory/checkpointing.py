@@ -1,10 +1,11 @@
 """Selective activation checkpointing of a model's blocks (non-reentrant ``torch.utils.checkpoint``).
 
 A checkpointed block keeps only its inputs during the forward pass and runs its forward again
-in the backward pass. We patch the block's ``forward`` on the instance instead of wrapping the
-block in a new module, so parameter names, ``state_dict`` keys and ``named_modules`` stay exactly
-those of the user's model (checkpoints, optimizers and FSDP plans keep working), and module hooks
-(FSDP's all-gathers) still run outside the recomputed region, as with torchtitan's wrapper.
+in the backward pass. The block's ``forward`` is replaced on the instance by a
+:class:`litegen.memory.block_forward.BlockForward` (no wrapper module), so parameter names,
+``state_dict`` keys and ``named_modules`` stay exactly those of the user's model (checkpoints,
+optimizers and FSDP plans keep working), and module hooks (FSDP's all-gathers) still run outside
+the recomputed region, as with torchtitan's wrapper.
 
 ``selective_ratio`` is the share of candidate blocks left *without* checkpointing. The
 ``k = n - round(ratio * n)`` checkpointed blocks are spread evenly through the depth with
@@ -15,19 +16,15 @@ each stretch of ``n / k`` blocks ends with a checkpointed one (4 blocks at 0.5: 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.module_paths import submodules_at
 
 aten = torch.ops.aten
@@ -131,43 +128,69 @@ def select_evenly(paths: Sequence[str], selective_ratio: float) -> list[str]:
             "(0: checkpoint every block, 1: none)."
         )
     n = len(paths)
-    k = n - math.floor(selective_ratio * n + 0.5)  # round half up, not to even
+    return spread_evenly(paths, n - math.floor(selective_ratio * n + 0.5))  # round half up
+
+
+def spread_evenly(paths: Sequence[str], k: int) -> list[str]:
+    """``k`` of the ``paths``, evenly spread through them (Bresenham's rule, module doc).
+
+    Example:
+        >>> spread_evenly(["b.0", "b.1", "b.2", "b.3"], 1)
+        ['b.3']
+    """
+    n = len(paths)
     return [p for i, p in enumerate(paths) if (i + 1) * k // n > i * k // n]
 
 
-def _call_split(forward: Callable, n_args: int, names: tuple[str, ...], *flat: Any) -> Any:
-    return forward(*flat[:n_args], **dict(zip(names, flat[n_args:], strict=True)))
-
-
-class CheckpointedForward:
-    """Replaces ``block.forward``: runs the original forward under non-reentrant checkpoint.
-
-    Keyword arguments are passed to ``checkpoint`` positionally, because checkpoint saves its
-    positional tensors through autograd's saved-tensor hooks (where the offloader sees them)
-    but would keep keyword tensors alive in a closure, out of the offloader's reach.
-    """
-
-    def __init__(
-        self, forward: Callable, context_fn: Callable | None = None, offloader: Any = None
-    ) -> None:
-        self.forward = forward  # the block's own bound forward
-        self.context_fn = context_fn
-        self.offloader = offloader
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # inference/EMA: nothing to save, nothing to recompute
-            return self.forward(*args, **kwargs)
-        run = functools.partial(_call_split, self.forward, len(args), tuple(kwargs))
-        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-        if self.offloader is None:
-            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, **extra)
-        with self.offloader.block(self):  # ``self`` identifies the block (one per block)
-            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, **extra)
-
-
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether :func:`checkpoint_modules` patched this module."""
-    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+    """Whether ``module`` runs checkpointed (now; the budget planner may switch it)."""
+    forward = block_forward(module)
+    return forward is not None and forward.checkpoint
+
+
+def wrap_blocks(
+    model: nn.Module,
+    paths: Sequence[str],
+    *,
+    checkpointed: Sequence[str] = (),
+    offloaded: Sequence[str] = (),
+    policy: str = "block",
+    offloader: Any = None,
+    inside_compile: bool = True,
+) -> dict[str, BlockForward]:
+    """Install a :class:`BlockForward` on each module at ``paths``; returns them by path.
+
+    Those in ``checkpointed`` run checkpointed with ``policy``; those in ``offloaded`` hand what
+    they save to ``offloader``. A module prepared before keeps its forward (never nested).
+
+    Example:
+        >>> wrap_blocks(dit, ["blocks.0", "blocks.1"], checkpointed=["blocks.1"]).keys()
+        dict_keys(['blocks.0', 'blocks.1'])
+    """
+    if policy not in POLICY_CONTEXTS:
+        raise ValueError(
+            f"activation_checkpoint.policy '{policy}' is unknown; use one of "
+            f"{', '.join(POLICY_CONTEXTS)}."
+        )
+    check_paths(model, paths)
+    context_fn = POLICY_CONTEXTS[policy]
+    wrapped: dict[str, BlockForward] = {}
+    for path in paths:
+        module = model.get_submodule(path)
+        forward = block_forward(module)
+        if forward is None:  # prepared twice: keep the first wrapping
+            forward = BlockForward(
+                module.forward,
+                module=module,
+                checkpoint=path in checkpointed,
+                offload=path in offloaded,
+                context_fn=context_fn,
+                offloader=offloader,
+                inside_compile=inside_compile,
+            )
+            module.forward = forward
+        wrapped[path] = forward
+    return wrapped
 
 
 def checkpoint_modules(
@@ -182,24 +205,16 @@ def checkpoint_modules(
     ``policy="ops"`` keeps matmul and attention outputs inside each block (selective checkpoint
     contexts); ``"ops_lean"`` recomputes the widening linear layers (MLP up-projections) too.
     With an ``offloader`` (:class:`litegen.memory.offload.ActivationOffloader`), the inputs each
-    block saves go to CPU memory until the backward pass needs them.
+    block saves go to host memory until the backward pass needs them.
 
     Example:
         >>> checkpoint_modules(dit, ["blocks.1", "blocks.3"])
         ['blocks.1', 'blocks.3']
     """
-    if policy not in POLICY_CONTEXTS:
-        raise ValueError(
-            f"activation_checkpoint.policy '{policy}' is unknown; use one of "
-            f"{', '.join(POLICY_CONTEXTS)}."
-        )
-    check_paths(model, paths)
-    context_fn = POLICY_CONTEXTS[policy]
-    for path in paths:
-        module = model.get_submodule(path)
-        if is_checkpointed(module):
-            continue  # prepared twice: keep the first wrapping, never nest checkpoints
-        module.forward = CheckpointedForward(module.forward, context_fn, offloader)
+    offloaded = paths if offloader is not None else ()
+    wrap_blocks(
+        model, paths, checkpointed=paths, offloaded=offloaded, policy=policy, offloader=offloader
+    )
     return list(paths)
 
 

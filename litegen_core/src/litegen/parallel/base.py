@@ -9,6 +9,7 @@ understands DDP, FSDP1 and FSDP2 modules.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -108,13 +109,23 @@ class Strategy:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     # -- full (unsharded) state, for single-file checkpoints ---------------------------------
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model on CPU, keyed like the user's module; call on every rank."""
-        return get_model_state_dict(model, options=self._full_options())
+    def full_model_state(
+        self, model: nn.Module, *, trainable_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole model on CPU, keyed like the user's module; call on every rank.
 
-    def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load a whole-model state (every rank passes the same dict)."""
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        ``trainable_only`` leaves out frozen parameters without gathering them (LoRA adapters).
+        """
+        options = replace(self._full_options(), ignore_frozen_params=trainable_only)
+        return get_model_state_dict(model, options=options)
+
+    def load_full_model_state(
+        self, model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True
+    ) -> None:
+        """Load a whole-model state (every rank passes the same dict); ``strict=False`` loads
+        the keys ``state`` has and leaves the others (LoRA adapters into an adapted model)."""
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(model, state, options=options)
 
     def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
         """The optimizer state keyed by parameter names, whole, on CPU; call on every rank."""

@@ -1,7 +1,8 @@
 """FSDP1: ``FullyShardedDataParallel`` around each repeated block and around the root.
 
-Each detected block (``memory.blocks.repeated_blocks``) becomes one flat-parameter unit; the
-root unit owns the rest (embeddings, final layers). ``use_orig_params=True`` keeps the user's
+Each detected block (``litegen.blocks.repeated_blocks``) becomes one flat-parameter unit, and so
+does each submodule of a block that the model calls from outside it (``parallel.outside_calls``);
+the root unit owns the rest (embeddings, final layers). ``use_orig_params=True`` keeps the user's
 parameter objects and names visible, so optimizers rebind by name, LR schedulers keep working,
 and torch's state-dict API returns clean names (no ``_fsdp_wrapped_module``).
 
@@ -34,6 +35,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from litegen.blocks import repeated_blocks
 from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.fsdp2 import rebind_optimizer
+from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
 from litegen.precision import DTYPES
 
 log = logging.getLogger("litegen")
@@ -61,6 +63,14 @@ def fsdp1_mixed_precision(cfg: Any) -> MixedPrecision | None:
     )
 
 
+def _fsdp1_fix(path: str) -> str:
+    return (
+        f"Return {path} from the model's get_fsdp_wrap_module_list() next to its blocks (each "
+        "listed module is a unit), or use strategy fsdp2 and list it in "
+        "optimization.parallel.fsdp2.wrap_paths."
+    )
+
+
 class Fsdp1Strategy(Strategy):
     """``FullyShardedDataParallel`` with one unit per repeated block, ``use_orig_params=True``.
 
@@ -75,7 +85,7 @@ class Fsdp1Strategy(Strategy):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         modules = dict(model.named_modules())
-        blocks = {id(modules[path]) for path in repeated_blocks(model)}
+        blocks = repeated_blocks(model)
         if not blocks:
             log.warning(
                 "fsdp1: %s has no repeated blocks, so the whole model is one FSDP unit (every "
@@ -83,13 +93,20 @@ class Fsdp1Strategy(Strategy):
                 "to choose units.",
                 type(model).__name__,
             )
+        # Submodules the model calls from outside their block get units of their own.
+        outside = called_from_outside(model, blocks)
+        if outside:
+            log.info("fsdp1: units of their own for %s (called from outside)", outside)
+        units = {path: modules[path] for path in blocks + outside}
+        guard_outside_calls(model, units, "fsdp1", _fsdp1_fix)
+        unit_ids = {id(module) for module in units.values()}
         model = model.to(self.plan.device)
         # Every rank starts from rank 0's weights, as with DDP. (FSDP1's own
         # sync_module_states refuses CPU modules, so the broadcast happens here.)
         broadcast_from_rank0(model)
         return FullyShardedDataParallel(
             model,
-            auto_wrap_policy=CustomPolicy(lambda module: id(module) in blocks),
+            auto_wrap_policy=CustomPolicy(lambda module: id(module) in unit_ids),
             mixed_precision=fsdp1_mixed_precision(self.optimization.precision.fsdp2_mixed),
             use_orig_params=True,
             # Given explicitly: without it FSDP1 looks for an accelerator and refuses CPU.

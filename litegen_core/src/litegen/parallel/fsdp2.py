@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) and HSDP: parameters, gradients and optimizer state sharded.
 
-``fsdp2`` shards every planned unit (see ``parallel/wrap.py``) across all data-parallel ranks
-of a 1-D mesh. ``hsdp`` is the same on a 2-D ``(replicate, shard)`` mesh: units are sharded
+``fsdp2`` shards every planned unit (see ``parallel/wrap.py``), and every submodule of a unit
+that the model calls from outside it (``parallel/outside_calls.py``), across all data-parallel
+ranks of a 1-D mesh. ``hsdp`` is the same on a 2-D ``(replicate, shard)`` mesh: units are sharded
 within a node and replicated across nodes. Parameters become DTensors with their original
 names, so optimizers are rebound by name and full/DCP state dicts come from torch's
 ``torch.distributed.checkpoint.state_dict`` (``base.py``'s defaults).
@@ -9,7 +10,8 @@ names, so optimizers are rebound by name and full/DCP state dicts come from torc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
 
@@ -21,8 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from litegen.parallel.base import Strategy, broadcast_from_rank0
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
-from litegen.parallel.wrap import last_unit, plan_units
+from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
+from litegen.parallel.wrap import in_post_order, last_unit, plan_units
 from litegen.precision import fsdp2_mixed_policy
+
+log = logging.getLogger("litegen")
 
 # Wrappers that insert a path component into parameter names (FSDP1, checkpoint_wrapper,
 # torch.compile); names are compared without them.
@@ -87,10 +92,18 @@ class Fsdp2Strategy(Strategy):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         cfg = self.optimization.parallel.fsdp2
-        units = plan_units(model, cfg)
-        last = last_unit(model, units)
+        planned = plan_units(model, cfg)
+        last = last_unit(model, planned)
+        # Submodules the model calls from outside their unit get units of their own.
+        outside = called_from_outside(model, planned, cfg.exclude_paths)
+        if outside:
+            log.info("%s: units of their own for %s (called from outside)", self.name, outside)
+        units = in_post_order(model, planned + outside)
         model = model.to(self.plan.device)
         modules = dict(model.named_modules())
+        guard_outside_calls(
+            model, {path: modules[path] for path in units}, self.name, _wrap_paths_fix(units)
+        )
         ignored = {p for path in cfg.exclude_paths for p in modules[path].parameters()}
         broadcast_from_rank0(model)
         common = {
@@ -147,6 +160,18 @@ class Fsdp2Strategy(Strategy):
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
         return norm
+
+
+def _wrap_paths_fix(units: list[str]) -> Callable[[str], str]:
+    """How to make a submodule that the model calls from outside its unit a unit of its own."""
+
+    def fix(path: str) -> str:
+        return (
+            f"Make it a unit of its own: set optimization.parallel.fsdp2.wrap_strategy: manual "
+            f"and wrap_paths: {[path, *units]}."
+        )
+
+    return fix
 
 
 class HsdpStrategy(Fsdp2Strategy):

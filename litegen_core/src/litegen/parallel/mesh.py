@@ -1,4 +1,9 @@
-"""Device meshes over the data-parallel ranks, for the FSDP2 family."""
+"""Device meshes: over every rank for the FSDP2 family, and ``(dp, sp)`` for sequence parallelism.
+
+The strategies spread the model and average gradients over every rank, sequence-parallel ranks
+included (``litegen.parallel.sequence.comm`` explains why that gives the right gradient), so
+their meshes span the whole job.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,25 @@ from litegen.parallel.plan import ParallelPlan
 
 
 def dp_mesh(plan: ParallelPlan) -> DeviceMesh:
-    """1-D mesh over every data-parallel rank: fsdp2 shards each unit across all of them.
+    """1-D mesh over every rank: fsdp2 shards each unit across all of them.
 
     Example:
         >>> dp_mesh(plan).shape  # 8 ranks
         (8,)
     """
-    return init_device_mesh(plan.device.type, (plan.dp_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(plan.device.type, (plan.world_size,), mesh_dim_names=("shard",))
+
+
+def sp_mesh(plan: ParallelPlan) -> DeviceMesh:
+    """2-D mesh ``(dp, sp)``: rank ``r`` sits at ``(r // sp_size, r % sp_size)``, so each
+    sequence-parallel group (a row) is ``sp_size`` consecutive ranks, within one node.
+
+    Example:
+        >>> sp_mesh(plan).get_group("sp")  # ranks 4..7 for rank 5 of 8 ranks at sp_size 4
+    """
+    return init_device_mesh(
+        plan.device.type, (plan.dp_size, plan.sp_size), mesh_dim_names=("dp", "sp")
+    )
 
 
 def hsdp_mesh(plan: ParallelPlan) -> DeviceMesh:
@@ -28,7 +45,7 @@ def hsdp_mesh(plan: ParallelPlan) -> DeviceMesh:
         >>> hsdp_mesh(plan).mesh_dim_names  # 2 nodes x 4 GPUs
         ('replicate', 'shard')
     """
-    assert plan.nnodes * plan.local_world_size == plan.dp_size, "plan checks the job shape"
+    assert plan.nnodes * plan.local_world_size == plan.world_size, "plan checks the job shape"
     return init_device_mesh(
         plan.device.type,
         (plan.nnodes, plan.local_world_size),

@@ -1,4 +1,11 @@
-"""The parallel plan: which strategy, over how many data-parallel ranks, on which device.
+"""The parallel plan: which strategy, over how many data- and sequence-parallel ranks, on which
+device.
+
+The ranks form a ``(dp, sp)`` mesh: rank ``r`` is sequence-parallel rank ``r % sp_size`` of
+data-parallel group ``r // sp_size``, so the ranks of one sequence-parallel group are contiguous
+and stay within a node. The ranks of a sequence-parallel group read the same samples; the
+strategies still spread the model and average gradients over every rank (see
+``litegen.parallel.sequence.comm`` for why that is the right gradient).
 
 Checks that need the job's shape (world size, nodes) live here, so every strategy can trust
 its plan.
@@ -12,9 +19,6 @@ import torch
 
 from litegen.runtime.distributed import DistEnv
 
-# Degrees the config reserves for model parallelism that LiteGen does not implement yet.
-_RESERVED_DEGREES = ("sp_size", "cp_size")
-
 
 @dataclass(frozen=True)
 class ParallelPlan:
@@ -22,8 +26,8 @@ class ParallelPlan:
 
     Example:
         >>> plan = ParallelPlan.build("ddp", parallel_cfg, DistEnv(), torch.device("cpu"))
-        >>> plan.dp_size
-        1
+        >>> plan.dp_size, plan.sp_size
+        (1, 1)
     """
 
     strategy: str
@@ -32,25 +36,39 @@ class ParallelPlan:
     rank: int
     nnodes: int
     local_world_size: int
+    sp_size: int = 1
 
     @property
     def dp_size(self) -> int:
-        # Every rank is a data-parallel rank while tp/sp/cp/pp are 1.
-        return self.world_size
+        """Groups of ranks that read different samples."""
+        return self.world_size // self.sp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
 
     @classmethod
     def build(cls, strategy: str, parallel_cfg, env: DistEnv, device: torch.device) -> ParallelPlan:
-        for field in _RESERVED_DEGREES:
-            degree = getattr(parallel_cfg, field)
-            if degree > 1:
-                raise NotImplementedError(
-                    f"optimization.parallel.{field}={degree}: only data parallelism is "
-                    f"implemented; set {field}: 1."
-                )
+        if parallel_cfg.cp_size > 1:
+            raise NotImplementedError(
+                f"optimization.parallel.cp_size={parallel_cfg.cp_size}: ring attention is "
+                "reserved; set cp_size: 1 and split long sequences with sp_size instead."
+            )
+        sp_size = parallel_cfg.sp_size
+        if env.world_size % sp_size:
+            raise ValueError(
+                f"optimization.parallel.sp_size={sp_size} must divide the world size "
+                f"{env.world_size}; launch a multiple of {sp_size} ranks or change sp_size."
+            )
+        if sp_size > 1 and strategy == "fsdp1":
+            raise ValueError(
+                "optimization.parallel.sp_size > 1 is not supported with strategy 'fsdp1'; use "
+                "fsdp2 (or ddp, zero1, zero2, hsdp)."
+            )
         if strategy == "hsdp" and env.nnodes < 2:
             raise ValueError(
                 "optimization.parallel.strategy 'hsdp' replicates across nodes and needs at "
@@ -64,4 +82,5 @@ class ParallelPlan:
             rank=env.rank,
             nnodes=env.nnodes,
             local_world_size=env.local_world_size,
+            sp_size=sp_size,
         )

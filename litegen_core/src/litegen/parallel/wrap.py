@@ -12,7 +12,7 @@ the planned units leave over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -213,7 +213,18 @@ def plan_units(model: nn.Module, cfg: Any) -> list[str]:
             "parameters outside exclude_paths; set allow_empty_param_unit_sharding: true to "
             "shard them anyway, or choose other units."
         )
-    return [name for name, _ in _named_modules_post_order(model) if name in keep]
+    return in_post_order(model, keep)
+
+
+def in_post_order(model: nn.Module, paths: Iterable[str]) -> list[str]:
+    """``paths`` in the order ``fully_shard`` needs: children before the units around them.
+
+    Example:
+        >>> in_post_order(dit, ["blocks.0", "blocks.0.attn", "blocks.1"])
+        ['blocks.0.attn', 'blocks.0', 'blocks.1']
+    """
+    chosen = set(paths)
+    return [name for name, _ in _named_modules_post_order(model) if name in chosen]
 
 
 def last_unit(model: nn.Module, units: list[str]) -> str | None:

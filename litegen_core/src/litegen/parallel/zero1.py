@@ -84,8 +84,9 @@ class _Partition:
         self.buckets = build_buckets(
             self.group_params,
             bucket_bytes=settings.bucket_size_mb * BYTES_PER_MB,
-            dp_size=plan.dp_size,
-            dp_rank=plan.dp_rank,
+            # Over every rank, sequence-parallel ones included (see parallel/mesh.py).
+            dp_size=plan.world_size,
+            dp_rank=plan.rank,
             shard=not self.native,
             flatten=settings.normalize_parameter_layout,
         )
@@ -331,7 +332,7 @@ class Zero1Strategy(Strategy):
 
     def full_optimizer_state(self, optimizer, model: nn.Module) -> dict[str, Any]:
         part = self._of(model, optimizer)[0]
-        gathered: list[list] = [None] * self.plan.dp_size
+        gathered: list[list] = [None] * self.plan.world_size
         dist.all_gather_object(gathered, part.local_pieces())
         state = zero_state.full_from_pieces((p for ps in gathered for p in ps), part.shapes)
         return zero_state.full_state(state, part.groups())

@@ -30,11 +30,9 @@ class BucketEMA:
         self.buckets = buckets
         self.optimizer = optimizer
         self.name_of = {id(p): name for name, p in model.named_parameters()}
-        covered = {id(p) for b in buckets for p in b.params}
-        # Parameters no optimizer steps (frozen parts of the model) are averaged whole.
-        self.replicated = {name: p for name, p in model.named_parameters() if id(p) not in covered}
+        # Parameters no optimizer steps (frozen parts of the model) never change, so they are
+        # not averaged; LiteGen.full_ema_state takes them from the model.
         self.shards = [self._source(b).float().clone() for b in buckets]
-        self.whole = {name: p.detach().float().clone() for name, p in self.replicated.items()}
         self.mirror = BufferMirror(model)
 
     def _source(self, bucket: Bucket) -> torch.Tensor:
@@ -44,10 +42,8 @@ class BucketEMA:
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        targets = self.shards + list(self.whole.values())
         sources = [self._source(b).float() for b in self.buckets]
-        sources += [p.detach().float() for p in self.replicated.values()]
-        torch._foreach_lerp_(targets, sources, 1.0 - decay)
+        torch._foreach_lerp_(self.shards, sources, 1.0 - decay)
         self.mirror.refresh()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -57,7 +53,6 @@ class BucketEMA:
             _all_gather(flat, shard)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 state[self.name_of[id(p)]] = flat[offset : offset + p.numel()].view(p.shape).cpu()
-        state.update({name: t.cpu() for name, t in self.whole.items()})
         state.update(self.mirror.cpu_state())
         return state
 
@@ -66,17 +61,14 @@ class BucketEMA:
             bucket.read_params(
                 shard, bucket.shard_start, bucket.shard_numel, lambda p: state[self.name_of[id(p)]]
             )
-        for name, tensor in self.whole.items():
-            tensor.copy_(state[name])
         self.mirror.load(state)
 
     def dcp_state(self) -> dict[str, torch.Tensor]:
-        """The full average (identical on every rank, so DCP stores it once)."""
+        """The gathered average (identical on every rank, so DCP stores it once)."""
         return self.state_dict()
 
     def load_dcp_state(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(state)
 
     def local_bytes(self) -> int:
-        tensors = self.shards + list(self.whole.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.shards)

@@ -21,6 +21,7 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import build_dataloader
 from litegen.ema import EMA
+from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
@@ -65,6 +66,10 @@ class LiteGen(CheckpointAPI):
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
+        self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
+        # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
+        lora = config.optimization.lora
+        self.lora_prefix = lora.prefix if lora is not None else "transformer"
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -91,16 +96,21 @@ class LiteGen(CheckpointAPI):
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
-        strategy = build_strategy(
-            ParallelPlan.build(
-                optimization.parallel.strategy, optimization.parallel, self.env, self.device
-            ),
-            optimization,
+        plan = ParallelPlan.build(
+            optimization.parallel.strategy, optimization.parallel, self.env, self.device
         )
+        if plan.sp_size != self.plan.sp_size:
+            raise ValueError(
+                f"optimization profile {profile!r} sets parallel.sp_size={plan.sp_size}, but the "
+                f"job's data loading was planned for sp_size={self.plan.sp_size}; use one "
+                "sp_size for every profile."
+            )
+        strategy = build_strategy(plan, optimization)
         results: list[Any] = list(objects)
         raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
         model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
-        fqns = [fqns_of(m) for m in raw_models]
+        if raw_models and not self.models and self.config.init_from:
+            self._load_into(raw_models[0], self.config.init_from, what="init_from")
         # Owners are found before wrapping: sharding strategies (fsdp2) replace the parameters
         # in place, so afterwards no model holds the optimizer's parameters any more.
         owners = {
@@ -108,10 +118,15 @@ class LiteGen(CheckpointAPI):
             for i, obj in enumerate(objects)
             if kinds[i] == "optimizer"
         }
+        self._adapt(raw_models, optimization)
+        for i, owner in owners.items():
+            if has_adapters(raw_models[owner]):
+                train_adapters(objects[i], raw_models[owner])
+        fqns = [fqns_of(m) for m in raw_models]  # after LoRA renamed the adapted weights
         lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model in zip(model_slots, raw_models, strict=True):
-            entry = self._prepare_model(model, strategy, optimization, lab, first=not self.models)
+            entry = self._prepare_model(model, strategy, optimization, lab)
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -133,6 +148,19 @@ class LiteGen(CheckpointAPI):
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
 
+    def _adapt(self, raw_models: list[nn.Module], optimization) -> None:
+        """``optimization.lora``: adapters on the job's first trainable model (litegen.lora).
+
+        Before checkpointing, compile and the strategy's wrap, which must all see the adapter
+        layers; after ``init_from``, whose keys are the base model's.
+        """
+        if optimization.lora is None or any(m.trainable for m in self.models):
+            return
+        target = next((m for m in raw_models if is_trainable(m)), None)
+        if target is not None:
+            apply_lora(target, optimization.lora)
+            self.lora_prefix = optimization.lora.prefix
+
     def _ema_target_pending(self) -> bool:
         """True while the model being prepared would be the one the EMA tracks."""
         return self.config.ema.enable and not any(m.trainable for m in self.models)
@@ -148,11 +176,7 @@ class LiteGen(CheckpointAPI):
         if ema_cfg.resume_from:
             self._load_ema(entry, ema_cfg.resume_from)
 
-    def _prepare_model(
-        self, model: nn.Module, strategy, optimization, lab, *, first: bool
-    ) -> PreparedModel:
-        if first and self.config.init_from:
-            self._load_into(model, self.config.init_from, what="init_from")
+    def _prepare_model(self, model: nn.Module, strategy, optimization, lab) -> PreparedModel:
         precision = optimization.precision
         if precision.cast_model:
             cast_model(model, precision.cast_model, precision.cast_exclude_paths)
@@ -168,9 +192,14 @@ class LiteGen(CheckpointAPI):
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
                 # holds weights and never runs forward.
                 template = copy.deepcopy(model)
+            if strategy.plan.sp_size > 1:
+                self._apply_sequence_parallel(model, strategy.plan)
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(
-                model, optimization.memory, candidates=strategy.checkpoint_candidates(model)
+                model,
+                optimization.memory,
+                candidates=strategy.checkpoint_candidates(model),
+                device=self.device,
             )
             if memory.memory_budget is not None and not optimization.compile.enabled:
                 raise ValueError(
@@ -178,10 +207,10 @@ class LiteGen(CheckpointAPI):
                     "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
                     "or use policy ops (or block) without compile."
                 )
-            if optimization.memory.activation_checkpoint.enabled:
+            if memory.candidates or memory.memory_budget is not None:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
-                # After checkpointing (each compiled block holds its checkpoint) and before the
+                # After checkpointing (compiled inside each block's BlockForward) and before the
                 # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
                 from litegen.compile import compile_blocks
 
@@ -189,7 +218,7 @@ class LiteGen(CheckpointAPI):
                     model,
                     optimization.compile,
                     memory_budget=memory.memory_budget,
-                    block_context=lab.block_context() if lab is not None else None,
+                    block_contexts=self._compiled_block_contexts(strategy, lab),
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
@@ -197,6 +226,40 @@ class LiteGen(CheckpointAPI):
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
+        """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.
+
+        Its split and gather are hooks on module calls, which run outside the blocks' patched
+        ``forward`` (checkpoint, compile): a checkpointed block saves only its shard of the
+        sequence, and the collectives at the block boundaries stay out of compiled graphs. Its
+        attention wrappers sit inside the blocks, where recomputation and compile see them.
+        The plan names the user's module paths, before a wrapper renames them.
+        """
+        from litegen.parallel.mesh import sp_mesh
+        from litegen.parallel.sequence import apply_sequence_parallel, plan_for
+
+        if self._sp_group is None:
+            self._sp_group = sp_mesh(plan).get_group("sp")
+        apply_sequence_parallel(model, plan_for(model), self._sp_group)
+        log.info(
+            "%s: sequence parallel over %d ranks (data parallel over %d groups)",
+            type(model).__name__,
+            plan.sp_size,
+            plan.dp_size,
+        )
+
+    @staticmethod
+    def _compiled_block_contexts(strategy, lab) -> list[Any]:
+        """What each compiled block enters around its calls (``compile_blocks``)."""
+        contexts = []
+        if strategy.plan.sp_size > 1:
+            from litegen.parallel.sequence import compile_context
+
+            contexts.append(compile_context)
+        if lab is not None and (rows := lab.block_context()) is not None:
+            contexts.append(rows)
+        return contexts
 
     def _prepare_data(self, data: Any) -> Any:
         collate_fn = None

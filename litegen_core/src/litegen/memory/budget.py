@@ -1,0 +1,375 @@
+"""``selective_ratio: auto``: checkpoint the fewest blocks that fit a memory budget.
+
+The plan needs one training step's figures, so the first step measures and the choice applies
+from the second. Every candidate block carries a :class:`~litegen.memory.block_forward.BlockForward`
+whose switches the planner sets; compiled blocks hold one compiled callable per mode, so the
+switch costs at most one more compile per mode.
+
+First step (until the first ``torch.optim`` optimizer step): every candidate runs checkpointed,
+which is what fits best, so the measuring step itself fits whenever anything does. During the
+first forward each block is also run once without checkpointing under saved-tensor hooks that
+count and drop what it saves (the RNG state forked, the output discarded), so measuring costs
+one extra forward and one block's activations at a time. Per block:
+
+* ``activation_bytes``: what it saves when not checkpointed, counted per storage, leaving out
+  its inputs, parameters and outputs (alive in either mode);
+* ``input_bytes``: what checkpointing keeps for it alone: its saved inputs that no other block
+  also saves (shared ones, like text embeddings, stay either way).
+
+On CUDA the allocator gives the rest: ``base`` = memory allocated when the plan is made (after
+the first optimizer step, so optimizer state included) + the first step's activation peak
+(maximum allocated minus allocated at its first block, the counting runs left out). On CPU,
+which has no allocator statistics, ``base`` is the bytes the checkpointed blocks saved, so the
+budget covers saved activations only.
+
+A plan checkpoints ``k`` blocks spread evenly (as ``selective_ratio`` does) and, if
+``activation_offload`` allows it and on CUDA only, offloads every candidate but the last:
+
+    estimate = base + sum(activation_bytes of blocks not checkpointed) - offloaded + in flight
+
+where ``offloaded`` is what leaves the device (a checkpointed block's own inputs; another
+block's activations and inputs) and ``in flight`` is ``blocks_in_flight`` times the largest
+block's share. Its cost in seconds is ``k`` recomputed block forwards (timed with CUDA events
+in the first step) plus the offload copies the forward cannot hide (bytes over the measured
+device-to-host bandwidth, beyond the forward's duration). The cheapest plan within the budget
+wins, fewer offloaded blocks breaking ties; when none fits, the one with the smallest estimate
+runs and a warning says by how much it misses. Under ``torch.distributed`` every rank plans with
+the maximum of all ranks' figures, so all ranks choose the same blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
+
+from litegen.memory.block_forward import BlockForward
+from litegen.memory.checkpointing import spread_evenly
+
+log = logging.getLogger("litegen")
+
+GIB = 2**30
+_BANDWIDTH_PROBE_BYTES = 64 * 2**20
+
+
+@dataclass
+class BlockCost:
+    """What one candidate block adds to memory (module doc)."""
+
+    activation_bytes: int = 0
+    input_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice: blocks checkpointed, blocks offloaded, its estimated peak and cost."""
+
+    checkpointed: tuple[str, ...]
+    offloaded: tuple[str, ...]
+    estimate_bytes: int
+    cost_s: float
+
+
+@dataclass
+class _Measurement:
+    costs: dict[str, BlockCost]
+    saved_by: dict[int, set[str]] = field(default_factory=dict)  # storage -> blocks saving it
+    storage_bytes: dict[int, int] = field(default_factory=dict)
+    timings: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA events per block call
+    seen: set[int] = field(default_factory=set)  # blocks called in the current forward
+    forwards: int = 0
+    before: int = 0  # allocated at the first block
+    peak: int = 0  # highest allocated seen outside the counting runs
+
+
+def _storages(tree: Any) -> set[int]:
+    """Where the tensors in ``tree`` keep their data."""
+    found = set()
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            try:
+                found.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # subclasses without one storage
+                continue
+    return found
+
+
+def _discard(_: Any) -> torch.Tensor:
+    raise RuntimeError("a counting run of the budget planner has no backward")
+
+
+class BudgetPlanner:
+    """Measures the first step, then sets every candidate's checkpoint and offload switches.
+
+    Example:
+        >>> planner = BudgetPlanner(blocks, budget_bytes=40 * 2**30, may_offload=True)
+        >>> # step 1 runs every block checkpointed; from step 2, planner.plan holds the choice
+    """
+
+    def __init__(
+        self,
+        blocks: dict[str, BlockForward],
+        *,
+        budget_bytes: int | None = None,
+        budget_fraction: float = 0.9,
+        may_offload: bool = False,
+        blocks_in_flight: int = 2,
+        on_plan: Any = None,
+    ) -> None:
+        self.blocks = blocks
+        self.budget_bytes = budget_bytes
+        self.budget_fraction = budget_fraction
+        self.may_offload = may_offload
+        self.blocks_in_flight = blocks_in_flight
+        self.on_plan = on_plan  # called with the chosen Plan (the MemoryReport's update)
+        self.plan: Plan | None = None
+        self.budget: int | None = None
+        self._measured = _Measurement({path: BlockCost() for path in blocks})
+        self._paths = {id(block): path for path, block in blocks.items()}
+        self._stepped = False
+        self._hook = register_optimizer_step_post_hook(self._optimizer_step)
+        self._device: torch.device | None = None
+        for block in blocks.values():
+            block.checkpoint, block.offload, block.meter = True, False, self
+
+    def _optimizer_step(self, *_: Any) -> None:
+        # Steps before this model's first forward (another model's optimizer) end nothing.
+        self._stepped = self._measured.forwards > 0
+
+    # -- the first step ----------------------------------------------------------------------
+    def call(self, block: BlockForward, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """One training call of ``block`` while the planner is installed (``BlockForward``)."""
+        if self._stepped:
+            self.decide()
+            return block.run(args, kwargs)
+        m = self._measured
+        if id(block) in m.seen or not m.seen:
+            m.seen.clear()
+            m.forwards += 1
+            if m.forwards == 1:
+                self._start(block, args, kwargs)
+        m.seen.add(id(block))
+        if m.forwards > 1:  # later micro-batches: only the allocator's peak keeps counting
+            return block.run(args, kwargs)
+        path = self._paths[id(block)]
+        self._count_plain(block, path, args, kwargs)
+        return self._run_counted(block, path, args, kwargs)
+
+    def _start(self, block: BlockForward, args: tuple, kwargs: dict[str, Any]) -> None:
+        devices = [t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices += [p.device for p in block.module.parameters()]
+        self._device = devices[0] if devices else torch.device("cpu")
+        if self._device.type == "cuda":
+            self._measured.before = torch.cuda.memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+
+    def _count_plain(
+        self, block: BlockForward, path: str, args: tuple, kwargs: dict[str, Any]
+    ) -> None:
+        """What ``block`` would save without checkpointing, counted and dropped at once."""
+        module = block.module
+        kept = _storages((args, kwargs)) | _storages(list(module.parameters()))
+        kept |= _storages(list(module.buffers()))
+        made: dict[int, int] = {}
+        held = []  # alive until the run ends, so no two of them share an address
+
+        def count(t: torch.Tensor) -> None:
+            if type(t) is torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in kept:
+                    made[storage.data_ptr()] = storage.nbytes()
+                    held.append(t)
+
+        cuda = self._device is not None and self._device.type == "cuda"
+        if cuda:
+            m = self._measured
+            m.peak = max(m.peak, torch.cuda.max_memory_allocated(self._device))
+        with (
+            torch.random.fork_rng(devices=[self._device] if cuda else []),
+            saved_tensors_hooks(count, _discard),
+        ):
+            out = block.plain(*args, **kwargs)
+        outputs = _storages(out)
+        del out
+        held.clear()
+        activation = sum(n for ptr, n in made.items() if ptr not in outputs)
+        cost = self._measured.costs[path]
+        cost.activation_bytes = max(cost.activation_bytes, activation)
+        if cuda:  # the counting run's own peak is not the step's
+            torch.cuda.reset_peak_memory_stats(self._device)
+
+    def _run_counted(self, block: BlockForward, path: str, args: tuple, kwargs: dict) -> Any:
+        """The checkpointed call itself, noting which storages it saves."""
+        m = self._measured
+        params = _storages(list(block.module.parameters()))
+
+        def note(t: torch.Tensor) -> torch.Tensor:
+            if type(t) is torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in params:
+                    m.saved_by.setdefault(storage.data_ptr(), set()).add(path)
+                    m.storage_bytes[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        timed = self._device is not None and self._device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        with saved_tensors_hooks(note, lambda t: t):
+            out = block.run(args, kwargs)
+        if timed:
+            end.record()
+            m.timings.append((start, end))
+        return out
+
+    # -- the plan ----------------------------------------------------------------------------
+    def decide(self) -> Plan:
+        """Choose and apply the plan from what the first step measured (module doc)."""
+        self._hook.remove()
+        m = self._measured
+        paths = list(self.blocks)
+        for ptr, owners in m.saved_by.items():
+            if len(owners) == 1:
+                m.costs[next(iter(owners))].input_bytes += m.storage_bytes[ptr]
+        device = self._device or torch.device("cpu")
+        cuda = device.type == "cuda"
+        if cuda:
+            peak = max(m.peak, torch.cuda.max_memory_allocated(device))
+            base = torch.cuda.memory_allocated(device) + peak - m.before
+            for _, end in m.timings:
+                end.synchronize()
+            block_s = sum(s.elapsed_time(e) for s, e in m.timings) / 1e3 / max(len(m.timings), 1)
+            total = torch.cuda.get_device_properties(device).total_memory
+            budget = self.budget_bytes or int(self.budget_fraction * total)
+        else:
+            if self.budget_bytes is None:
+                raise ValueError(
+                    "activation_checkpoint.selective_ratio: auto on a device without memory "
+                    "statistics (cpu) needs memory_budget_gib; set it."
+                )
+            base, block_s, budget = sum(m.storage_bytes.values()), 1.0, self.budget_bytes
+        figures = [float(base), block_s]
+        figures += [float(m.costs[p].activation_bytes) for p in paths]
+        figures += [float(m.costs[p].input_bytes) for p in paths]
+        figures = _max_over_ranks(figures, device)
+        base, block_s = int(figures[0]), figures[1]
+        n = len(paths)
+        costs = {
+            p: BlockCost(int(figures[2 + i]), int(figures[2 + n + i])) for i, p in enumerate(paths)
+        }
+        offload = self.may_offload and cuda
+        bandwidth = _copy_bandwidth(device) if offload else 0.0
+        plans = candidate_plans(costs, base, block_s, bandwidth, offload, self.blocks_in_flight)
+        chosen, fits = choose(plans, budget)
+        self._apply(chosen, budget, costs, base, fits)
+        return chosen
+
+    def _apply(
+        self, plan: Plan, budget: int, costs: dict[str, BlockCost], base: int, fits: bool
+    ) -> None:
+        for path, block in self.blocks.items():
+            block.checkpoint = path in plan.checkpointed
+            block.offload = path in plan.offloaded
+            block.meter = None
+        self.plan, self.budget = plan, budget
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        widest = max((c.activation_bytes for c in costs.values()), default=0)
+        message = (
+            "activation checkpointing (auto): %d of %d blocks checkpointed, %d offloaded; "
+            "estimated peak %.2f GiB for a budget of %.2f GiB (measured on the first step: "
+            "%.2f GiB with every block checkpointed, up to %.2f GiB more per block left out)"
+        )
+        values = (
+            len(plan.checkpointed),
+            len(self.blocks),
+            len(plan.offloaded),
+            plan.estimate_bytes / GIB,
+            budget / GIB,
+            base / GIB,
+            widest / GIB,
+        )
+        if fits:
+            log.info(message, *values)
+        else:
+            log.warning(message + "; no plan fits, this one needs the least", *values)
+
+
+def candidate_plans(
+    costs: dict[str, BlockCost],
+    base: int,
+    block_s: float,
+    bandwidth: float,
+    offload: bool,
+    blocks_in_flight: int = 2,
+) -> list[Plan]:
+    """Every plan: ``k`` = 0..n checkpointed blocks, without and (if allowed) with offload.
+
+    ``costs`` are the candidates' in forward order; ``base`` the estimate with every block
+    checkpointed; ``block_s`` one block's forward in seconds; ``bandwidth`` device-to-host bytes
+    per second (module doc).
+
+    Example:
+        >>> costs = {"b.0": BlockCost(100, 10), "b.1": BlockCost(100, 10)}
+        >>> [p.estimate_bytes for p in candidate_plans(costs, 1000, 1.0, 0.0, offload=False)]
+        [1200, 1100, 1000]
+    """
+    paths = list(costs)
+    n = len(paths)
+    plans = []
+    for offloading in (False, True) if offload else (False,):
+        offloaded = tuple(paths[:-1]) if offloading else ()
+        for k in range(n + 1):
+            checkpointed = tuple(spread_evenly(paths, k))
+            estimate = base + sum(costs[p].activation_bytes for p in paths if p not in checkpointed)
+            moved = [
+                costs[p].input_bytes + (0 if p in checkpointed else costs[p].activation_bytes)
+                for p in offloaded
+            ]
+            if moved:
+                estimate += blocks_in_flight * max(moved) - sum(moved)
+            copy_s = sum(moved) / bandwidth if moved else 0.0
+            cost = k * block_s + max(0.0, copy_s - n * block_s)  # copies beyond the forward
+            plans.append(Plan(checkpointed, offloaded, estimate, cost))
+    return plans
+
+
+def choose(plans: list[Plan], budget: int) -> tuple[Plan, bool]:
+    """The cheapest plan within ``budget`` (fewer offloaded blocks break ties), and True; else
+    the plan with the smallest estimate, and False.
+
+    Example:
+        >>> choose(candidate_plans(costs, 1000, 1.0, 0.0, offload=False), 1150)[0].checkpointed
+        ('b.1',)
+    """
+    fitting = [p for p in plans if p.estimate_bytes <= budget]
+    if fitting:
+        return min(fitting, key=lambda p: (p.cost_s, len(p.offloaded))), True
+    return min(plans, key=lambda p: p.estimate_bytes), False
+
+
+def _max_over_ranks(figures: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return figures
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(figures, dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of one device-to-pinned-host copy (timed once, when planning)."""
+    source = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    host.copy_(source, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return _BANDWIDTH_PROBE_BYTES / (start.elapsed_time(end) / 1e3)

@@ -1,0 +1,115 @@
+"""Built-in sequence-parallel plans for diffusers' video and image transformers.
+
+Each plan splits the video (or image) tokens where the blocks start, splits what is computed
+per token over the whole sequence before them (rotary embeddings, per-token timesteps), and
+gathers the output of the final projection; the text stays whole.
+
+diffusers' own context-parallel plans (``_cp_plan``, on Wan and LTX-Video) split the same
+video-token tensors, but they also split the text, because diffusers' Ulysses all-to-alls
+every attention's keys and values, cross-attention's included. LiteGen keeps the text whole,
+so cross-attention needs no communication; the shared entries are checked against diffusers'
+in the tests.
+
+Example:
+    >>> BUILTIN["WanTransformer3DModel"](wan).attention
+    {'blocks.*.attn1': 'self'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from litegen.parallel.sequence.plan import SequencePlan, Split
+
+# A timestep of shape (B, S) is per token (Wan 2.2 TI2V, LTX-Video conditioning); (B,) is not.
+PER_TOKEN = Split(1, ndim=2)
+
+
+def wan(model: nn.Module) -> SequencePlan:
+    """Wan 2.1/2.2: rotary embedding (1, S, 1, D) and block input split, ``proj_out`` gathered."""
+    return SequencePlan(
+        split_inputs={"": {"timestep": PER_TOKEN}, "blocks.0": {"hidden_states": 1}},
+        split_outputs={"rope": {0: 1, 1: 1}},
+        gather_outputs={"proj_out": 1},
+        attention={"blocks.*.attn1": "self"},  # attn2 is cross-attention to the text
+    )
+
+
+def ltx_video(model: nn.Module) -> SequencePlan:
+    """LTX-Video: the patchified input (B, S, C) and its rotary embedding (B, S, D) split."""
+    return SequencePlan(
+        split_inputs={"": {"hidden_states": 1, "timestep": PER_TOKEN}},
+        split_outputs={"rope": {0: 1, 1: 1}},
+        gather_outputs={"proj_out": 1},
+        attention={"transformer_blocks.*.attn1": "self"},
+    )
+
+
+def hunyuan_video(model: nn.Module) -> SequencePlan:
+    """HunyuanVideo: joint attention over [video, text] in the dual- and single-stream blocks.
+
+    The attention mask is built over the whole [video, text] sequence before the split, which is
+    the layout the all-to-all restores. The image-to-video variant that replaces the first
+    frame's tokens (``image_condition_type: token_replace``) is not supported: those tokens sit
+    on the first rank only.
+    """
+    if getattr(model.config, "image_condition_type", None) == "token_replace":
+        raise ValueError(
+            "sequence parallelism does not support HunyuanVideo's image_condition_type "
+            "'token_replace' (the first frame's tokens are replaced on one rank only); set "
+            "optimization.parallel.sp_size: 1 for this model."
+        )
+    blocks = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
+    return SequencePlan(
+        split_inputs={"transformer_blocks.0": {"hidden_states": 1}},
+        split_outputs={"rope": {0: 0, 1: 0}},  # cos and sin, (S, D) each
+        gather_outputs={"proj_out": 1},
+        attention=dict.fromkeys(blocks, "text_last"),
+    )
+
+
+def cogvideox(model: nn.Module) -> SequencePlan:
+    """CogVideoX: joint attention over [text, video]; the rotary embedding comes as an input."""
+    return SequencePlan(
+        split_inputs={
+            "": {"image_rotary_emb": 0},  # (cos, sin), (S, D) each, when the model uses RoPE
+            "transformer_blocks.0": {"hidden_states": 1},
+        },
+        gather_outputs={"proj_out": 1},
+        attention={"transformer_blocks.*.attn1": "text_first"},
+    )
+
+
+def dit_style(model: nn.Module) -> SequencePlan:
+    """DiT and PixArt-alpha/sigma: position embedding added by the patch embedding, then blocks
+    of self-attention (and, for PixArt, cross-attention to the text)."""
+    final = "proj_out_2" if hasattr(model, "proj_out_2") else "proj_out"
+    return SequencePlan(
+        split_inputs={"transformer_blocks.0": {"hidden_states": 1}},
+        gather_outputs={final: 1},
+        attention={"transformer_blocks.*.attn1": "self"},
+    )
+
+
+# diffusers class name -> plan function; only classes defined in diffusers match.
+BUILTIN: dict[str, Callable[[nn.Module], SequencePlan]] = {
+    "WanTransformer3DModel": wan,
+    "LTXVideoTransformer3DModel": ltx_video,
+    "HunyuanVideoTransformer3DModel": hunyuan_video,
+    "CogVideoXTransformer3DModel": cogvideox,
+    "DiTTransformer2DModel": dit_style,
+    "PixArtTransformer2DModel": dit_style,
+}
+
+
+def builtin_plan(model: nn.Module) -> Callable[[nn.Module], SequencePlan] | None:
+    """The built-in plan function for ``model``'s class, if it is a diffusers class we know."""
+    cls = type(model)
+    if not cls.__module__.startswith("diffusers."):
+        return None
+    return BUILTIN.get(cls.__name__)
+
+
+__all__ = ["BUILTIN", "builtin_plan"]

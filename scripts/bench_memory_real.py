@@ -1,0 +1,507 @@
+"""Step time and peak memory of checkpointing and offload on Wan 2.1 1.3B, and its longest sequence.
+
+The model is diffusers' ``WanTransformer3DModel`` at its published config with random weights
+(``scripts/real_models.py``), trained with a flow-matching loss at batch 1 under bf16 autocast,
+AdamW (fused), blocks compiled regionally. Latents are 16 x F x 60 x 104 with patch (1, 2, 2),
+so F frames make F x 1560 tokens (11 frames: 17,160), with 512 text tokens of width 4096.
+
+Table (default): every variant runs in a process of its own (``--rounds`` > 1 alternates their
+order: forward, then backward), 3 warm-up steps and 6 timed ones; the step time is their median,
+the peak is ``max_memory_allocated`` over the timed steps. Variants:
+
+    hand_none            hand-written: torch.compile(block.forward) on every block
+    hand_ckpt            hand-written: checkpoint_wrapper(compiled block) on every block
+    full                 LiteGen, selective_ratio 0 (checkpoint inside the compiled block)
+    full_outside         LiteGen, selective_ratio 0, inside_compile false
+    ops, ops_lean        LiteGen, selective_ratio 0 with policy ops / ops_lean
+    half                 LiteGen, selective_ratio 0.5
+    half_offload         half + activation_offload (every block but the last)
+    half_offload_inputs  half, offloading only the checkpointed blocks' inputs (offload's old scope)
+    full_offload         full + activation_offload
+    auto                 selective_ratio auto within --auto-budget-gib, offload allowed
+
+``--longest`` searches the most frames one training step fits, for no checkpointing, full
+checkpointing, and full checkpointing + offload: a peak measured at a few frames (the table's,
+this run's or ``--seed-from`` an earlier one's, else a seed probe's) predicts the limit with
+memory linear in frames, then probes, each in its own process, bisect to ``--frame-step``
+frames (finer for short limits; out of memory = too long). ``--memory-limit-gib``
+caps what each probe may allocate (``torch.cuda.set_per_process_memory_fraction``), emulating a
+smaller device so that probes stay short; the ratio between the three is what the search shows.
+Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
+
+    python3 scripts/bench_memory_real.py --out wan_table.json
+    python3 scripts/bench_memory_real.py --longest --variants --seed-from wan_table.json \\
+        --memory-limit-gib 32 --probes 3 --out wan_longest.json
+    uv run --no-sync python scripts/bench_memory_real.py --device cpu --tiny --longest  # smoke
+
+``--time-budget-s`` stops starting new processes past that many seconds and writes what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+RESULT = "RESULT "  # a child's last stdout line: RESULT {json}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One setting: hand-written (``hand``) or through LiteGen's library API (``memory``)."""
+
+    label: str
+    hand: bool = False
+    hand_checkpoint: bool = False
+    memory: dict[str, Any] = field(default_factory=dict)
+    offload_inputs_only: bool = False  # offload's old scope: checkpointed blocks' inputs
+
+
+def _ac(ratio: Any, **extra: Any) -> dict[str, Any]:
+    return {"enabled": True, "selective_ratio": ratio, **extra}
+
+
+VARIANTS: dict[str, Variant] = {
+    "hand_none": Variant("hand-written, no checkpointing", hand=True),
+    "hand_ckpt": Variant(
+        "hand-written, every block checkpoint_wrapper(compiled)", hand=True, hand_checkpoint=True
+    ),
+    "none": Variant("LiteGen, no checkpointing"),
+    "full": Variant("LiteGen, every block checkpointed", memory={"activation_checkpoint": _ac(0)}),
+    "full_outside": Variant(
+        "LiteGen, every block checkpointed, inside_compile false",
+        memory={"activation_checkpoint": _ac(0, inside_compile=False)},
+    ),
+    "ops": Variant("LiteGen, policy ops", memory={"activation_checkpoint": _ac(0, policy="ops")}),
+    "ops_lean": Variant(
+        "LiteGen, policy ops_lean", memory={"activation_checkpoint": _ac(0, policy="ops_lean")}
+    ),
+    "half": Variant("LiteGen, half the blocks", memory={"activation_checkpoint": _ac(0.5)}),
+    "half_offload": Variant(
+        "LiteGen, half the blocks + offload",
+        memory={"activation_checkpoint": _ac(0.5), "activation_offload": True},
+    ),
+    "half_offload_inputs": Variant(
+        "LiteGen, half the blocks + offload of their inputs only",
+        memory={"activation_checkpoint": _ac(0.5)},
+        offload_inputs_only=True,
+    ),
+    "full_offload": Variant(
+        "LiteGen, every block checkpointed + offload",
+        memory={"activation_checkpoint": _ac(0), "activation_offload": True},
+    ),
+    "auto": Variant(
+        "LiteGen, selective_ratio auto (+ offload allowed)",
+        memory={"activation_checkpoint": _ac("auto"), "activation_offload": True},
+    ),
+}
+TABLE = [
+    "hand_none",
+    "hand_ckpt",
+    "full",
+    "full_outside",
+    "ops",
+    "ops_lean",
+    "half",
+    "half_offload",
+    "half_offload_inputs",
+    "full_offload",
+]
+LONGEST = ["hand_none", "full", "full_offload"]
+
+
+# -- one process: build, prepare, train -------------------------------------------------------
+def _shape(opts: dict[str, Any], frames: int) -> Any:
+    from real_models import LatentShape
+
+    if opts["tiny"]:
+        return LatentShape(4, 4, frames=frames, text_tokens=6)
+    return LatentShape(60, 104, frames=frames, text_tokens=512)
+
+
+def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) -> Any:
+    """Checkpointing, offload and regional compile for ``variant``; LiteGen's report or None."""
+    import torch
+    from torch import nn
+
+    backend = opts["backend"]
+    dynamic = opts["dynamic"]
+    if variant.hand:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
+        if variant.hand_checkpoint:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+        return None
+    from litegen.compile import compile_blocks
+    from litegen.memory import ActivationOffloader, apply_memory_optimizations, block_forward
+    from litegen.utils.config import CompileConfig, MemoryConfig
+
+    memory = dict(variant.memory)
+    if variant.memory.get("activation_checkpoint", {}).get("selective_ratio") == "auto":
+        ac = dict(memory["activation_checkpoint"], memory_budget_gib=opts["auto_budget_gib"])
+        memory["activation_checkpoint"] = ac
+    report = apply_memory_optimizations(model, MemoryConfig.model_validate(memory), device=device)
+    if variant.offload_inputs_only:
+        report.offloader = ActivationOffloader()
+        for path in report.checkpointed:
+            forward = block_forward(model.get_submodule(path))
+            forward.offloader, forward.offload = report.offloader, True
+        report.offloaded = list(report.checkpointed)
+    compile_blocks(
+        model,
+        CompileConfig(enabled=True, dynamic=dynamic),
+        backend=None if backend == "inductor" else backend,
+        memory_budget=report.memory_budget,
+    )
+    return report
+
+
+def _setup(opts: dict[str, Any], frames: int, lr: float) -> tuple:
+    import torch
+    from real_models import REAL_MODELS
+
+    device = torch.device(opts["device"])
+    spec = REAL_MODELS["wan"]
+    size = "tiny" if opts["tiny"] else "reference"
+    with device:  # parameters made on the device: the 1.3B model builds in seconds
+        model = spec.build(size)
+    variant = VARIANTS[opts["variant"]]
+    report = _prepare(model, variant, opts, device)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+    batch = spec.batch(size, batch_size=1, seed=0, shape=_shape(opts, frames))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    )
+
+    def step() -> None:
+        with autocast:
+            loss = spec.loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return device, model, optimizer, report, step
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_info(device: Any) -> dict[str, Any]:
+    import torch
+
+    if device.type != "cuda":
+        return {"device_name": "cpu", "total_gib": None}
+    props = torch.cuda.get_device_properties(device)
+    return {"device_name": props.name, "total_gib": props.total_memory / GIB}
+
+
+def time_variant(opts: dict[str, Any]) -> dict[str, Any]:
+    """Warm-up and timed steps of one variant at ``opts["frames"]``."""
+    import torch
+
+    device, _, _, report, step = _setup(opts, opts["frames"], lr=1e-5)
+    for _ in range(opts["warmup"]):  # compiles; the auto planner measures step 1
+        step()
+    _sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    offloader = report.offloader if report is not None else None
+    if offloader is not None:
+        offloader.stats.reset()
+    times = []
+    for _ in range(opts["steps"]):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    row: dict[str, Any] = {
+        "variant": opts["variant"],
+        "step_s": statistics.median(times),
+        "step_times_s": times,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+        "resident_gib": torch.cuda.memory_allocated(device) / GIB if cuda else None,
+        **_device_info(device),
+    }
+    if report is not None:
+        row["checkpointed"] = len(report.checkpointed)
+        row["offloaded_blocks"] = len(report.offloaded)
+    if offloader is not None:
+        row["offloaded_gib_per_step"] = offloader.stats.bytes_offloaded / opts["steps"] / GIB
+        row["offload_stats"] = vars(offloader.stats)
+    if report is not None and report.planner is not None and report.planner.plan is not None:
+        plan = report.planner.plan
+        row["auto_estimate_gib"] = plan.estimate_bytes / GIB
+    return row
+
+
+def probe(opts: dict[str, Any]) -> dict[str, Any]:
+    """Whether one training step at ``opts["frames"]`` fits (``--memory-limit-gib``)."""
+    import torch
+
+    device = torch.device(opts["device"])
+    limit = opts["memory_limit_gib"]
+    if device.type == "cuda" and limit:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit * GIB / total), device)
+    row = {"variant": opts["variant"], "frames": opts["frames"], **_device_info(device)}
+    try:
+        device, model, optimizer, _, step = _setup(opts, opts["frames"], lr=0.0)
+        for p in model.parameters():  # Adam's state first, so one step shows the true peak
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        row["step_s"] = time.perf_counter() - start
+        row["fits"] = True
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            row["resident_gib"] = resident / GIB
+    except Exception as exc:  # out of memory, in any of its forms, means too long
+        text = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in text.lower():
+            raise
+        row["fits"], row["reason"] = False, text.splitlines()[0][:200]
+    return row
+
+
+# -- the parent: processes, table, search ------------------------------------------------------
+class Runner:
+    """Starts one child process per measurement, within a time budget."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.start = time.perf_counter()
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.start > self.args.time_budget_s
+
+    def child(self, mode: str, variant: str, frames: int) -> dict[str, Any]:
+        a = self.args
+        opts = {
+            "mode": mode,
+            "variant": variant,
+            "frames": frames,
+            "device": a.device,
+            "tiny": a.tiny,
+            "backend": a.backend,
+            "dynamic": mode == "probe",  # probes share compiles across lengths
+            "warmup": a.warmup,
+            "steps": a.steps,
+            "memory_limit_gib": a.memory_limit_gib,
+            "auto_budget_gib": a.auto_budget_gib,
+        }
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)]
+        print(f"[{time.perf_counter() - self.start:6.0f} s] {mode} {variant} @ {frames} frames")
+        sys.stdout.flush()
+        try:
+            proc = subprocess.run(
+                command, capture_output=True, text=True, timeout=a.child_timeout_s, cwd=HERE.parent
+            )
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "frames": frames, "fits": False, "reason": "timeout"}
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+        if lines:
+            return json.loads(lines[-1][len(RESULT) :])
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        print("   child failed:", *tail, sep="\n     ")
+        return {"variant": variant, "frames": frames, "fits": False, "reason": " | ".join(tail)}
+
+
+def run_table(runner: Runner, variants: list[str], frames: int) -> list[dict[str, Any]]:
+    """Each variant ``--rounds`` times, the order reversed every other round."""
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for round_ in range(runner.args.rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            if runner.out_of_time():
+                print("time budget reached; the table is partial")
+                break
+            row = runner.child("time", variant, frames)
+            if "step_s" in row:
+                results[variant].append(row)
+    rows = []
+    for runs in results.values():
+        if not runs:
+            continue
+        row = dict(runs[-1])
+        row["step_s"] = statistics.median(r["step_s"] for r in runs)
+        if runs[0].get("peak_gib") is not None:
+            row["peak_gib"] = max(r["peak_gib"] for r in runs)
+        row["rounds"] = len(runs)
+        rows.append(row)
+    reference = next((r for r in rows if r["variant"] == "hand_none"), None)
+    for row in rows:
+        row["label"] = VARIANTS[row["variant"]].label
+        row["samples_per_s"] = 1.0 / row["step_s"]  # batch 1
+        row["time_x"] = row["step_s"] / reference["step_s"] if reference else None
+    return rows
+
+
+def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[str, Any]:
+    """The most frames (a multiple of ``--frame-step``) one step of ``variant`` fits."""
+    a = runner.args
+    probes: list[dict[str, Any]] = []
+    lo, hi = 0, None
+    if seed is None or seed.get("peak_gib") is None:  # no table row to predict from (or cpu)
+        seed = runner.child("probe", variant, a.seed_frames)
+        probes.append(seed)
+    limit = a.memory_limit_gib or seed.get("total_gib")
+    if seed.get("fits") and (seed.get("peak_gib") is None or seed["peak_gib"] <= (limit or 0)):
+        lo = seed["frames"]
+    guess = a.max_frames
+    if seed.get("fits") and seed.get("peak_gib") is not None and limit:
+        per_frame = (seed["peak_gib"] - seed["resident_gib"]) / seed["frames"]
+        guess = int((limit - seed["resident_gib"]) / per_frame)
+    step = min(a.frame_step, max(1, guess // 8))  # short limits get finer steps
+    guess = max(step, min(a.max_frames, guess // step * step))
+    while len(probes) < a.probes + 1 and not runner.out_of_time():
+        if hi is None:
+            frames = guess if guess > lo else lo + max(step, (lo // 4) // step * step)
+        else:
+            frames = (lo + hi) // 2 // step * step
+            if frames <= lo:
+                break
+        if frames > a.max_frames:
+            break
+        row = runner.child("probe", variant, frames)
+        probes.append(row)
+        if row.get("fits"):
+            lo = frames
+        else:
+            hi = frames
+        if hi is not None and hi - lo <= step:
+            break
+    capped = hi is None and lo >= a.max_frames - step
+    tokens_per_frame = 4 if a.tiny else 1560  # (height / 2) x (width / 2) patches
+    return {
+        "variant": variant,
+        "label": VARIANTS[variant].label,
+        "longest_frames": lo,
+        "longest_tokens": lo * tokens_per_frame,
+        "first_failing_frames": hi,
+        "capped": capped,
+        "probes": probes,
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| setting | samples/s | step time vs no checkpointing | peak GiB | offloaded GiB/step |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        ratio = f"{r['time_x']:.2f}" if r.get("time_x") is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        moved = r.get("offloaded_gib_per_step")
+        moved = f"{moved:.1f}" if moved is not None else "-"
+        print(f"| {r['label']} | {r['samples_per_s']:.3f} | {ratio} | {peak} | {moved} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny Wan config (smoke run)")
+    parser.add_argument("--frames", type=int, default=11, help="latent frames of the table")
+    parser.add_argument("--variants", nargs="*", default=TABLE, choices=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--backend", help="torch.compile backend (default: inductor; cpu: aot_eager)"
+    )
+    parser.add_argument("--auto-budget-gib", type=float, default=40.0)
+    parser.add_argument("--longest", action="store_true", help="search the longest sequences")
+    parser.add_argument("--memory-limit-gib", type=float, help="cap of every probe (longest)")
+    parser.add_argument("--seed-frames", type=int, default=3)
+    parser.add_argument(
+        "--seed-from", type=Path, help="a table's JSON whose peaks predict the longest search"
+    )
+    parser.add_argument("--frame-step", type=int, default=4)
+    parser.add_argument("--max-frames", type=int, default=400)
+    parser.add_argument("--probes", type=int, default=4, help="probes per search after the seed")
+    parser.add_argument("--child-timeout-s", type=float, default=300)
+    parser.add_argument("--time-budget-s", type=float, default=540)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    if args.child:
+        opts = json.loads(args.child)
+        row = time_variant(opts) if opts["mode"] == "time" else probe(opts)
+        print(RESULT + json.dumps(row), flush=True)
+        return
+    if args.backend is None:
+        args.backend = "aot_eager" if args.device == "cpu" else "inductor"
+    if args.tiny:
+        args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 2)
+        args.frames = min(args.frames, 2)
+        args.seed_frames, args.frame_step, args.max_frames = 1, 1, min(args.max_frames, 3)
+    import diffusers
+    import torch
+
+    runner = Runner(args)
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "model": "Wan 2.1 1.3B (tiny)" if args.tiny else "Wan 2.1 1.3B",
+        "frames": args.frames,
+        "backend": args.backend,
+    }
+    rows = run_table(runner, args.variants, args.frames) if args.variants else []
+    if rows:
+        result["device_name"] = rows[0].get("device_name")
+        result["table"] = rows
+        print_table(rows)
+    if args.longest:
+        seeds = rows
+        if args.seed_from is not None:  # a table written before, at its own frame count
+            earlier = json.loads(args.seed_from.read_text())
+            seeds = [{**r, "frames": earlier["frames"]} for r in earlier.get("table", [])]
+        searches = []
+        for variant in LONGEST:
+            seed = next((r for r in seeds if r["variant"] == variant), None)
+            if seed is not None:
+                seed = {"frames": args.frames, **seed, "fits": True}
+            searches.append(longest(runner, variant, seed))
+            found = searches[-1]
+            note = " (cap)" if found["capped"] else ""
+            print(
+                f"{found['label']}: {found['longest_frames']} frames, "
+                f"{found['longest_tokens']} tokens{note}"
+            )
+        result["longest"] = searches
+        result["memory_limit_gib"] = args.memory_limit_gib
+    result["wall_s"] = time.perf_counter() - runner.start
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,604 @@
+"""Real diffusion transformers from diffusers, at their published size or tiny, with batches.
+
+One :class:`RealModel` per architecture in :data:`REAL_MODELS`: the class, the published config
+of the reference checkpoint and a tiny config of the same class (both as constructor kwargs,
+built with random weights, nothing downloaded), the latent size each is used at, a synthetic
+batch of the inputs its ``forward`` needs, and a flow-matching loss over its prediction.
+
+A batch is a dict of tensors that all lead with the batch dimension (clean latents, noise, the
+flow time ``t`` in [0, 1], and the model's conditions: text embeddings, masks, pooled
+projections, class labels, guidance), so ``{k: v[i] for k, v in batch.items()}`` is one sample
+and a DataLoader's default collate stacks samples back. Whatever follows from the latent size
+(Flux's token ids, LTX's frame count) is made by :meth:`RealModel.predict` at call time.
+
+Example:
+    >>> spec = REAL_MODELS["flux"]
+    >>> model = spec.build("tiny")
+    >>> batch = spec.batch("tiny", batch_size=2, seed=0)
+    >>> spec.loss(model, batch).backward()
+    >>> spec.predict(model, batch).shape == batch["latents"].shape
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Size = Literal["tiny", "reference"]
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """One sample's latent size in VAE-latent units (``frames=1`` for images), and text length."""
+
+    height: int
+    width: int
+    frames: int = 1
+    text_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A diffusers transformer class with a reference and a tiny config, its inputs and loss.
+
+    ``conditions(config, shape, batch_size, generator)`` makes the per-sample conditions;
+    ``run(model, config, noisy, timestep, batch)`` calls ``forward`` and returns the prediction
+    in the layout of ``batch["latents"]``. ``latent_layout`` names the latents' dimensions
+    (b batch, c channels, f frames, h height, w width).
+
+    Example:
+        >>> REAL_MODELS["dit"].build("reference").config.num_layers
+        28
+    """
+
+    name: str
+    class_name: str
+    reference: dict[str, Any]
+    tiny: dict[str, Any]
+    reference_shape: LatentShape
+    tiny_shape: LatentShape
+    latent_layout: Literal["bchw", "bcfhw", "bfchw"]
+    conditions: Callable[[dict[str, Any], LatentShape, int, torch.Generator], Batch]
+    run: Callable[[nn.Module, dict[str, Any], torch.Tensor, torch.Tensor, Batch], torch.Tensor]
+    # Latent channels per input channel of the model: Flux packs 2x2 latent pixels per token.
+    latent_channels_per_input: float = 1.0
+
+    def config(self, size: Size = "tiny") -> dict[str, Any]:
+        """The constructor kwargs of ``size`` (a copy)."""
+        return dict(self.reference if size == "reference" else self.tiny)
+
+    def shape(self, size: Size = "tiny") -> LatentShape:
+        return self.reference_shape if size == "reference" else self.tiny_shape
+
+    def model_class(self) -> type[nn.Module]:
+        """The diffusers class (importing it takes seconds: do it before forking ranks)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
+    def build(self, size: Size = "tiny", seed: int = 0, **overrides: Any) -> nn.Module:
+        """The model with random weights; the same weights for the same seed.
+
+        Example:
+            >>> REAL_MODELS["wan"].build("tiny", num_layers=3).config.num_layers
+            3
+        """
+        torch.manual_seed(seed)
+        return self.model_class()(**(self.config(size) | overrides))
+
+    def batch(
+        self,
+        size: Size = "tiny",
+        batch_size: int = 2,
+        seed: int = 0,
+        shape: LatentShape | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> Batch:
+        """A synthetic batch for the ``size`` config (or ``config``) at ``shape``, on the CPU.
+
+        Example:
+            >>> REAL_MODELS["dit"].batch("tiny", batch_size=4)["latents"].shape
+            torch.Size([4, 4, 8, 8])
+        """
+        config = config or self.config(size)
+        shape = shape or self.shape(size)
+        gen = torch.Generator().manual_seed(seed)
+        channels = int(config["in_channels"] * self.latent_channels_per_input)
+        dims = {"b": batch_size, "c": channels, "f": shape.frames}
+        dims |= {"h": shape.height, "w": shape.width}
+        latent_size = [dims[d] for d in self.latent_layout]
+        return {
+            "latents": torch.randn(latent_size, generator=gen),
+            "noise": torch.randn(latent_size, generator=gen),
+            "t": torch.rand(batch_size, generator=gen),
+        } | self.conditions(config, shape, batch_size, gen)
+
+    def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The model's velocity prediction at ``noisy = (1 - t) * latents + t * noise``."""
+        config = dict(_unwrapped(model).config)
+        dtype = next(model.parameters()).dtype
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        t = batch["t"].view(-1, *[1] * (batch["latents"].ndim - 1))
+        noisy = (1 - t) * batch["latents"] + t * batch["noise"]
+        return self.run(model, config, noisy, batch["t"], batch)
+
+    @staticmethod
+    def target(batch: Batch) -> torch.Tensor:
+        """The flow-matching velocity the prediction regresses to."""
+        return batch["noise"] - batch["latents"]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean squared error of the prediction against :meth:`target`, in fp32."""
+        prediction = self.predict(model, batch).float()
+        return nn.functional.mse_loss(prediction, self.target(batch).float())
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The diffusers module inside FSDP1's or DDP's wrapper (its ``config`` lives there)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _text(gen: torch.Generator, batch_size: int, tokens: int, dim: int) -> torch.Tensor:
+    return torch.randn(batch_size, tokens, dim, generator=gen)
+
+
+def _text_mask(gen: torch.Generator, batch_size: int, tokens: int) -> torch.Tensor:
+    """1 for real tokens, 0 for padding: each caption keeps at least its first token."""
+    lengths = torch.randint(1, tokens + 1, (batch_size, 1), generator=gen)
+    return (torch.arange(tokens) < lengths).long()
+
+
+def _sample(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output.sample
+
+
+# -- DiT: class-conditional, learned sigma (the prediction's second half) --------------------
+def _dit_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {"class_labels": torch.randint(0, config["num_embeds_ada_norm"], (b,), generator=gen)}
+
+
+def _dit_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(noisy, timestep=t * 1000, class_labels=batch["class_labels"], return_dict=False)
+    return _sample(out)[:, : config["in_channels"]]
+
+
+# -- PixArt-alpha: T5 captions with a padding mask, learned sigma ----------------------------
+def _pixart_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {
+        "text": _text(gen, b, shape.text_tokens, config["caption_channels"]),
+        "text_mask": _text_mask(gen, b, shape.text_tokens),
+    }
+
+
+def _pixart_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(
+        noisy,
+        encoder_hidden_states=batch["text"],
+        encoder_attention_mask=batch["text_mask"],
+        timestep=t * 1000,
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        return_dict=False,
+    )
+    return _sample(out)[:, : config["in_channels"]]
+
+
+# -- SD3 (MMDiT): joint text tokens and a pooled CLIP projection -----------------------------
+def _sd3_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {
+        "text": _text(gen, b, shape.text_tokens, config["joint_attention_dim"]),
+        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
+    }
+
+
+def _sd3_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(
+        noisy,
+        encoder_hidden_states=batch["text"],
+        pooled_projections=batch["pooled"],
+        timestep=t * 1000,
+        return_dict=False,
+    )
+    return _sample(out)
+
+
+# -- Flux: 2x2 latent patches packed into tokens, positions as 3-axis ids, distilled guidance -
+def _flux_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {
+        "text": _text(gen, b, shape.text_tokens, config["joint_attention_dim"]),
+        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
+        "guidance": torch.full((b,), 3.5),
+    }
+
+
+def _flux_run(model, config, noisy, t, batch) -> torch.Tensor:
+    b, c, h, w = noisy.shape
+    tokens = noisy.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    tokens = tokens.reshape(b, (h // 2) * (w // 2), c * 4)
+    img_ids = torch.zeros(h // 2, w // 2, 3)
+    img_ids[..., 1] = torch.arange(h // 2)[:, None]
+    img_ids[..., 2] = torch.arange(w // 2)[None, :]
+    out = model(
+        tokens,
+        encoder_hidden_states=batch["text"],
+        pooled_projections=batch["pooled"],
+        timestep=t,  # Flux scales its timestep by 1000 itself
+        img_ids=img_ids.view(-1, 3).to(tokens),
+        txt_ids=torch.zeros(batch["text"].shape[1], 3).to(tokens),
+        guidance=batch["guidance"] if config["guidance_embeds"] else None,
+        return_dict=False,
+    )
+    unpacked = _sample(out).view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return unpacked.reshape(b, c, h, w)
+
+
+# -- Wan 2.1: umT5 text tokens, video latents (b, c, f, h, w) -------------------------------
+def _wan_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {"text": _text(gen, b, shape.text_tokens, config["text_dim"])}
+
+
+def _wan_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(noisy, timestep=t * 1000, encoder_hidden_states=batch["text"], return_dict=False)
+    return _sample(out)
+
+
+# -- CogVideoX: frames before channels (b, f, c, h, w), text of max_text_seq_length tokens ----
+def _cogvideox_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {"text": _text(gen, b, shape.text_tokens, config["text_embed_dim"])}
+
+
+def _cogvideox_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(noisy, encoder_hidden_states=batch["text"], timestep=t * 1000, return_dict=False)
+    return _sample(out)
+
+
+# -- HunyuanVideo: LLaMA text with a mask, pooled CLIP, distilled guidance -------------------
+def _hunyuan_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {
+        "text": _text(gen, b, shape.text_tokens, config["text_embed_dim"]),
+        "text_mask": _text_mask(gen, b, shape.text_tokens),
+        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
+        "guidance": torch.full((b,), 6.0 * 1000),
+    }
+
+
+def _hunyuan_run(model, config, noisy, t, batch) -> torch.Tensor:
+    out = model(
+        noisy,
+        timestep=t * 1000,
+        encoder_hidden_states=batch["text"],
+        encoder_attention_mask=batch["text_mask"],
+        pooled_projections=batch["pooled"],
+        guidance=batch["guidance"] if config["guidance_embeds"] else None,
+        return_dict=False,
+    )
+    return _sample(out)
+
+
+# -- LTX-Video: latents flattened to tokens (patch size 1), T5 text with a mask --------------
+def _ltx_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
+    return {
+        "text": _text(gen, b, shape.text_tokens, config["caption_channels"]),
+        "text_mask": _text_mask(gen, b, shape.text_tokens),
+    }
+
+
+def _ltx_run(model, config, noisy, t, batch) -> torch.Tensor:
+    b, c, f, h, w = noisy.shape
+    out = model(
+        noisy.flatten(2).transpose(1, 2),
+        encoder_hidden_states=batch["text"],
+        timestep=t * 1000,
+        encoder_attention_mask=batch["text_mask"],
+        num_frames=f,
+        height=h,
+        width=w,
+        return_dict=False,
+    )
+    return _sample(out).transpose(1, 2).reshape(b, c, f, h, w)
+
+
+# Tiny configs: 2 heads of 16 (hidden 32), two of each repeated block (so block detection and
+# FSDP units see a real stack), a few latent pixels and text tokens.
+_HEADS = {"num_attention_heads": 2, "attention_head_dim": 16}
+
+REAL_MODELS: dict[str, RealModel] = {
+    spec.name: spec
+    for spec in (
+        RealModel(
+            name="dit",
+            class_name="DiTTransformer2DModel",
+            # facebook/DiT-XL-2-256
+            reference={
+                "num_attention_heads": 16,
+                "attention_head_dim": 72,
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 28,
+                "sample_size": 32,
+                "patch_size": 2,
+                "num_embeds_ada_norm": 1000,
+                "norm_type": "ada_norm_zero",
+                "norm_elementwise_affine": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 2,
+                "sample_size": 8,
+                "patch_size": 2,
+                "num_embeds_ada_norm": 10,
+            },
+            reference_shape=LatentShape(32, 32),
+            tiny_shape=LatentShape(8, 8),
+            latent_layout="bchw",
+            conditions=_dit_conditions,
+            run=_dit_run,
+        ),
+        RealModel(
+            name="pixart",
+            class_name="PixArtTransformer2DModel",
+            # PixArt-alpha/PixArt-XL-2-512x512
+            reference={
+                "num_attention_heads": 16,
+                "attention_head_dim": 72,
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 28,
+                "cross_attention_dim": 1152,
+                "caption_channels": 4096,
+                "sample_size": 64,
+                "patch_size": 2,
+                "norm_type": "ada_norm_single",
+                "norm_elementwise_affine": False,
+                "norm_eps": 1e-6,
+                "use_additional_conditions": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 2,
+                "cross_attention_dim": 32,
+                "caption_channels": 16,
+                "sample_size": 8,
+                "patch_size": 2,
+                "use_additional_conditions": False,
+            },
+            reference_shape=LatentShape(64, 64, text_tokens=120),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=_pixart_conditions,
+            run=_pixart_run,
+        ),
+        RealModel(
+            name="sd3",
+            class_name="SD3Transformer2DModel",
+            # stabilityai/stable-diffusion-3-medium-diffusers; 333 tokens = 77 CLIP + 256 T5
+            reference={
+                "sample_size": 128,
+                "patch_size": 2,
+                "in_channels": 16,
+                "out_channels": 16,
+                "num_layers": 24,
+                "attention_head_dim": 64,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 4096,
+                "caption_projection_dim": 1536,
+                "pooled_projection_dim": 2048,
+                "pos_embed_max_size": 192,
+            },
+            tiny=_HEADS
+            | {
+                "sample_size": 8,
+                "patch_size": 2,
+                "in_channels": 4,
+                "out_channels": 4,
+                "num_layers": 2,
+                "joint_attention_dim": 16,
+                "caption_projection_dim": 32,
+                "pooled_projection_dim": 16,
+                "pos_embed_max_size": 8,
+            },
+            reference_shape=LatentShape(128, 128, text_tokens=333),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=_sd3_conditions,
+            run=_sd3_run,
+        ),
+        RealModel(
+            name="flux",
+            class_name="FluxTransformer2DModel",
+            # black-forest-labs/FLUX.1-dev
+            reference={
+                "patch_size": 1,
+                "in_channels": 64,
+                "num_layers": 19,
+                "num_single_layers": 38,
+                "attention_head_dim": 128,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 4096,
+                "pooled_projection_dim": 768,
+                "guidance_embeds": True,
+                "axes_dims_rope": (16, 56, 56),
+            },
+            tiny=_HEADS
+            | {
+                "patch_size": 1,
+                "in_channels": 16,
+                "num_layers": 2,
+                "num_single_layers": 2,
+                "joint_attention_dim": 16,
+                "pooled_projection_dim": 16,
+                "guidance_embeds": True,
+                "axes_dims_rope": (4, 6, 6),
+            },
+            reference_shape=LatentShape(128, 128, text_tokens=512),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=_flux_conditions,
+            run=_flux_run,
+            latent_channels_per_input=1 / 4,
+        ),
+        RealModel(
+            name="wan",
+            class_name="WanTransformer3DModel",
+            # Wan-AI/Wan2.1-T2V-1.3B-Diffusers; 81 frames at 480x832
+            reference={
+                "patch_size": (1, 2, 2),
+                "num_attention_heads": 12,
+                "attention_head_dim": 128,
+                "in_channels": 16,
+                "out_channels": 16,
+                "text_dim": 4096,
+                "freq_dim": 256,
+                "ffn_dim": 8960,
+                "num_layers": 30,
+                "cross_attn_norm": True,
+                "qk_norm": "rms_norm_across_heads",
+                "eps": 1e-6,
+                "rope_max_seq_len": 1024,
+            },
+            tiny=_HEADS
+            | {
+                "patch_size": (1, 2, 2),
+                "in_channels": 4,
+                "out_channels": 4,
+                "text_dim": 16,
+                "freq_dim": 32,
+                "ffn_dim": 64,
+                "num_layers": 2,
+                "rope_max_seq_len": 32,
+            },
+            reference_shape=LatentShape(60, 104, frames=21, text_tokens=512),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=_wan_conditions,
+            run=_wan_run,
+        ),
+        RealModel(
+            name="cogvideox",
+            class_name="CogVideoXTransformer3DModel",
+            # THUDM/CogVideoX-2b; 49 frames at 480x720, text padded to max_text_seq_length
+            reference={
+                "num_attention_heads": 30,
+                "attention_head_dim": 64,
+                "in_channels": 16,
+                "out_channels": 16,
+                "time_embed_dim": 512,
+                "text_embed_dim": 4096,
+                "num_layers": 30,
+                "sample_width": 90,
+                "sample_height": 60,
+                "sample_frames": 49,
+                "patch_size": 2,
+                "temporal_compression_ratio": 4,
+                "max_text_seq_length": 226,
+                "use_rotary_positional_embeddings": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 4,
+                "time_embed_dim": 16,
+                "text_embed_dim": 16,
+                "num_layers": 2,
+                "sample_width": 4,
+                "sample_height": 4,
+                "sample_frames": 5,  # 2 latent frames, before the VAE's 4x time compression
+                "patch_size": 2,
+                "max_text_seq_length": 6,
+            },
+            reference_shape=LatentShape(60, 90, frames=13, text_tokens=226),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bfchw",
+            conditions=_cogvideox_conditions,
+            run=_cogvideox_run,
+        ),
+        RealModel(
+            name="hunyuan_video",
+            class_name="HunyuanVideoTransformer3DModel",
+            # hunyuanvideo-community/HunyuanVideo; 129 frames at 720x1280
+            reference={
+                "in_channels": 16,
+                "out_channels": 16,
+                "num_attention_heads": 24,
+                "attention_head_dim": 128,
+                "num_layers": 20,
+                "num_single_layers": 40,
+                "num_refiner_layers": 2,
+                "mlp_ratio": 4.0,
+                "patch_size": 2,
+                "patch_size_t": 1,
+                "qk_norm": "rms_norm",
+                "guidance_embeds": True,
+                "text_embed_dim": 4096,
+                "pooled_projection_dim": 768,
+                "rope_theta": 256.0,
+                "rope_axes_dim": (16, 56, 56),
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 4,
+                "num_layers": 2,
+                "num_single_layers": 2,
+                "num_refiner_layers": 2,
+                "mlp_ratio": 2.0,
+                "patch_size": 2,
+                "patch_size_t": 1,
+                "guidance_embeds": True,
+                "text_embed_dim": 16,
+                "pooled_projection_dim": 16,
+                "rope_axes_dim": (4, 6, 6),
+            },
+            reference_shape=LatentShape(90, 160, frames=33, text_tokens=256),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=_hunyuan_conditions,
+            run=_hunyuan_run,
+        ),
+        RealModel(
+            name="ltx_video",
+            class_name="LTXVideoTransformer3DModel",
+            # Lightricks/LTX-Video (0.9); 161 frames at 512x704
+            reference={
+                "in_channels": 128,
+                "out_channels": 128,
+                "patch_size": 1,
+                "patch_size_t": 1,
+                "num_attention_heads": 32,
+                "attention_head_dim": 64,
+                "cross_attention_dim": 2048,
+                "num_layers": 28,
+                "qk_norm": "rms_norm_across_heads",
+                "norm_elementwise_affine": False,
+                "norm_eps": 1e-6,
+                "caption_channels": 4096,
+                "attention_bias": True,
+                "attention_out_bias": True,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 8,
+                "out_channels": 8,
+                "cross_attention_dim": 32,
+                "num_layers": 2,
+                "caption_channels": 16,
+            },
+            reference_shape=LatentShape(16, 22, frames=21, text_tokens=128),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=_ltx_conditions,
+            run=_ltx_run,
+        ),
+    )
+}

@@ -1,0 +1,85 @@
+"""The `litegen` command's manners: --version, env, shell completion, help without hard breaks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import platform
+
+import pytest
+from typer.testing import CliRunner
+
+from litegen_cli.app import app
+from litegen_cli.env_report import OPTIONAL_PACKAGES, optional_package
+
+runner = CliRunner()
+COMMANDS = [[], ["launch"], ["resume"], ["inspect-config"], ["env"], ["cache"], ["cache", "build"]]
+BOX = tuple("│╭╰")
+
+
+def invoke(*args: str, **env: str):
+    return runner.invoke(app, list(args), prog_name="litegen", env=env or None)
+
+
+def test_version_names_both_packages():
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"litegen-core {importlib.metadata.version('litegen-core')}",
+        f"litegen-cli {importlib.metadata.version('litegen-cli')}",
+    ]
+
+
+def test_env_reports_versions_hardware_and_optional_packages():
+    import torch
+
+    result = invoke("env")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "## LiteGen environment"
+    expected = [
+        f"- litegen-core: {importlib.metadata.version('litegen-core')}",
+        f"- Python: {platform.python_version()} ({platform.python_implementation()})",
+        f"- torch: {torch.__version__} (CUDA build: {torch.version.cuda or 'CPU only'})",
+        f"- CUDA available: {'yes' if torch.cuda.is_available() else 'no'}",
+        f"- diffusers: {importlib.metadata.version('diffusers')}",
+        "### Optional packages",
+    ]
+    for line in expected:
+        assert line in lines, line
+    assert any(line.startswith("- NCCL: ") for line in lines)
+    for module in OPTIONAL_PACKAGES:
+        assert any(line.startswith(f"- {module}: ") for line in lines), module
+    assert optional_package("litegen_no_such_module", "no-such") == "not installed"
+
+
+def test_completion_script_and_answers():
+    script = invoke("--show-completion", "bash")
+    assert script.exit_code == 0, script.output
+    assert "complete -o default -F _litegen_completion litegen" in script.output
+    answer = invoke(_LITEGEN_COMPLETE="complete_bash", COMP_WORDS="litegen insp", COMP_CWORD="1")
+    assert answer.output.split() == ["inspect-config"]
+
+
+def hard_breaks(text: str, width: int) -> list[str]:
+    """Prose lines that end although the next line's first word would still have fit: a line
+    break written in the help text rather than made by the renderer."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    found = []
+    for line, following in itertools.pairwise(lines):
+        if not line.strip() or not following.strip() or line.lstrip().startswith(BOX):
+            continue
+        if following.lstrip().startswith(BOX):
+            continue
+        # Rich keeps one column of padding on each side of the help text.
+        if len(line) + 1 + len(following.split()[0]) <= width - 2:
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_help_paragraphs_are_not_broken_mid_sentence(width):
+    for command in COMMANDS:
+        result = invoke(*command, "--help", COLUMNS=str(width))
+        assert result.exit_code == 0, result.output
+        assert not hard_breaks(result.output, width), (command, hard_breaks(result.output, width))
