@@ -8,17 +8,14 @@ and `launch` imports the launcher (and with it torch) only when it runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from litegen_cli import render
-from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
-
-if TYPE_CHECKING:
-    from litegen_cli.launcher import LaunchFailed
 
 app = typer.Typer(
     name="litegen",
@@ -95,7 +92,6 @@ def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = Fa
     checkpoint in its folder (resume, auto_resume), so an earlier run there is expected.
     Exit codes: 2 bad input, 1 a failed run, 128+N stopped by signal N (failures.py).
     """
-    from litegen_cli.launcher import LaunchFailed, launch  # imports torch lazily
     from litegen_cli.run_folder import RunFolderError, claim_run_folder
 
     render.print_warnings(recipe.warnings)
@@ -107,6 +103,8 @@ def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = Fa
         ) as notes:
             for note in notes:
                 render.console.print(note, highlight=False, markup=False)
+            from litegen_cli.launcher import launch  # imports torch, once the folder is ours
+
             resolved = launch(recipe)
     except RunFolderError as err:
         render.print_error(err.title, err.lines)

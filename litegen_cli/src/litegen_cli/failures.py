@@ -148,3 +148,24 @@ def root_failure(failures: list[RankFailure]) -> RankFailure:
 def launcher_exit_code(root: RankFailure) -> int:
     """2 when the root failure is bad input, else 1 (a rank killed by a signal included)."""
     return EXIT_BAD_INPUT if root.exitcode == EXIT_BAD_INPUT else EXIT_FAILED
+
+
+class LaunchFailed(Exception):
+    """The worker group failed (or was stopped); carries a short summary, not a traceback.
+
+    ``failures`` lists the failed ranks, the root one first; ``signal`` names the signal that
+    stopped the launcher, if one did.
+    """
+
+    def __init__(
+        self,
+        summary: str,
+        failures: list[RankFailure] | None = None,
+        exit_code: int = 1,
+        signal: str | None = None,
+    ):
+        self.summary = summary
+        self.failures = list(failures or [])
+        self.exit_code = exit_code
+        self.signal = signal
+        super().__init__(summary)

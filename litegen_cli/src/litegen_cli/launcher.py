@@ -16,6 +16,7 @@ import yaml
 
 from litegen_cli.failures import (
     EXIT_BAD_INPUT,
+    LaunchFailed,
     RankFailure,
     launcher_exit_code,
     rank_failure,
@@ -29,27 +30,6 @@ RESOLVED_NAME = "recipe.resolved.yaml"
 WORKER_MODULE = "litegen_cli.worker"
 
 __all__ = ["LaunchFailed", "RankFailure", "launch", "torchrun_args", "write_resolved_recipe"]
-
-
-class LaunchFailed(Exception):
-    """The worker group failed (or was stopped); carries a short summary, not a traceback.
-
-    ``failures`` lists the failed ranks, the root one first; ``signal`` names the signal that
-    stopped the launcher, if one did.
-    """
-
-    def __init__(
-        self,
-        summary: str,
-        failures: list[RankFailure] | None = None,
-        exit_code: int = 1,
-        signal: str | None = None,
-    ):
-        self.summary = summary
-        self.failures = list(failures or [])
-        self.exit_code = exit_code
-        self.signal = signal
-        super().__init__(summary)
 
 
 def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
