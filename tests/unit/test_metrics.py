@@ -43,3 +43,11 @@ def test_non_finite_values_are_written_as_null_so_lines_stay_strict_json(tmp_pat
     line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     record = json.loads(line, parse_constant=reject)
     assert record == {"step": 1, "time": 123.5, "loss": None, "grad_norm": None, "lr": 0.1}
+
+
+def test_a_record_cut_short_by_a_killed_run_is_dropped_on_resume(tmp_path):
+    complete = json.dumps({"step": 1, "loss": 0.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(complete + '{"step": 2, "lo')
+    with MetricsLogger(tmp_path, total_steps=4, enabled=True, start_step=2):
+        pass
+    assert (tmp_path / "metrics.jsonl").read_text() == complete

@@ -6,6 +6,9 @@ tests/distributed/test_resume.py; these run in a second each.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
 
 import pytest
@@ -134,8 +137,14 @@ def test_bad_checkpoints_name_the_path_and_write_nothing(tmp_path):
     meta = step / "model_0" / ".metadata"
     good = meta.read_bytes()
     meta.write_bytes(good[: len(good) // 2])
+    # The manifest's sizes catch it before DCP would read it.
+    with pytest.raises(ValueError, match=rf"{where} is corrupt: .*\.metadata has \d+ bytes"):
+        resume_from(step)
+    manifest = (step / "MANIFEST.json").read_bytes()
+    (step / "MANIFEST.json").unlink()  # a checkpoint of an older LiteGen: DCP's own check
     with pytest.raises(ValueError, match=rf"{where} is corrupt: .*\.metadata cannot be read"):
         resume_from(step)
+    (step / "MANIFEST.json").write_bytes(manifest)
     meta.write_bytes(good)
     (step / COMPLETE).unlink()
     with pytest.raises(ValueError, match=rf"{where} is partial"):
@@ -175,3 +184,35 @@ def test_nan_skip_keeps_the_data_order_and_abort_names_the_step(tmp_path):
     assert clean["lr"] == pytest.approx(0.05 * 0.9**4)
     with pytest.raises(FloatingPointError, match=r"not finite at step 2.*on_nan: skip"):
         run(tmp_path / "abort", 4, step_fn=nan_at_step_1)
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "random", "truncated"])
+def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
+    run(tmp_path, 2, checkpoint_every=2)
+    step = tmp_path / "ckpt" / "step_2"
+    manifest = json.loads((step / "MANIFEST.json").read_text())
+    assert "model_0/.metadata" in manifest["files"] and "trainer/rank_0.pt" in manifest["files"]
+    [shard] = sorted((step / "model_0").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    if damage == "zeroed":
+        data[middle : middle + 64] = bytes(64)
+    elif damage == "random":
+        data[middle : middle + 64] = os.urandom(64)
+    else:
+        data = data[:middle]
+    shard.write_bytes(bytes(data))
+    why = "does not match its digest" if damage != "truncated" else r"has \d+ bytes, the manifest"
+    with pytest.raises(ValueError, match=rf"{re.escape(str(shard))} {why}"):
+        run(tmp_path / "new", 4, resume_run=str(step))
+    assert not (tmp_path / "new" / "ckpt").exists()  # nothing trained, nothing saved
+
+
+def test_a_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
+    run(tmp_path, 2, checkpoint_every=2)
+    step = tmp_path / "ckpt" / "step_2"
+    (step / "MANIFEST.json").unlink()  # as written by an older LiteGen
+    with caplog.at_level(logging.WARNING, logger="litegen"):
+        resumed = run(tmp_path, 3, resume_run=str(step))
+    assert resumed["trainer"].step == 3
+    assert "has no MANIFEST.json" in caplog.text and str(step) in caplog.text

@@ -13,11 +13,9 @@ from typing import Annotated
 import typer
 
 from litegen_cli import render
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
-
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 1
 
 app = typer.Typer(
     name="litegen",
@@ -75,8 +73,8 @@ def options(
 def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
     """Load and plan-check a recipe; print every problem and exit 2 when it is unusable.
 
-    Shared by every command that takes a recipe, so `launch` (and a future `resume`)
-    validate exactly like `inspect-config`.
+    Shared by every command that takes a recipe, so `launch` and `cache build` validate
+    exactly like `inspect-config` (`resume` builds its recipe from the checkpoint instead).
     """
     try:
         recipe = load_recipe(recipe_path, overrides or [])
@@ -87,39 +85,85 @@ def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
     return recipe
 
 
-def run_launch(recipe: Recipe) -> None:
-    """Run one node of the job; print a short summary and exit 1 when a rank fails.
+def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = False) -> None:
+    """Own the run folder, run this node's ranks, and turn every failure into one message.
 
-    The single launch path: a `resume` command would load its recipe, set the resume
-    fields and call this too.
+    The single launch path of `launch` and `resume`. ``continuing``: the run goes on from a
+    checkpoint in its folder (resume, auto_resume), so an earlier run there is expected.
+    Exit codes: 2 bad input, 1 a failed run, 128+N stopped by signal N (failures.py).
     """
-    from litegen_cli.launcher import LaunchFailed, launch  # imports torch lazily
+    from litegen_cli.run_folder import RunFolderError, claim_run_folder
 
+    render.print_warnings(recipe.warnings)
+    config = recipe.config
+    continuing = continuing or bool(config.auto_resume or config.trainer.resume_run)
     try:
-        resolved = launch(recipe)
+        with claim_run_folder(
+            config, node_rank=recipe.launch.node_rank, overwrite=overwrite, continuing=continuing
+        ) as notes:
+            for note in notes:
+                render.console.print(note, highlight=False, markup=False)
+            from litegen_cli.launcher import launch  # imports torch, once the folder is ours
+
+            resolved = launch(recipe)
+    except RunFolderError as err:
+        render.print_error(err.title, err.lines)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     except RecipeError as err:
         render.print_recipe_error(err)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except LaunchFailed as err:
-        lines = [f"rank {f.rank}: exit code {f.exitcode}: {f.message}" for f in err.failures]
-        if err.failures:
-            lines.append("The rank tracebacks are printed above, in the ranks' own output.")
-        render.print_error("Training failed", [err.summary, *lines])
+        _report_failure(err, config.get_checkpoint_dir())
         raise typer.Exit(err.exit_code) from None
     except OSError as err:  # e.g. the results dir is not writable
         render.print_error("Cannot start the run", [f"{type(err).__name__}: {err}"])
-        raise typer.Exit(EXIT_RUN_FAILED) from None
+        raise typer.Exit(EXIT_FAILED) from None
     render.console.print(f"[green]Done.[/] Resolved recipe: {resolved}")
 
 
+def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
+    """One line for a signal, else one panel: the root failure, the others, where the logs are."""
+    resume = ""
+    if any(Path(checkpoint_dir).glob("step_*")):
+        resume = f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
+    if err.signal is not None:
+        line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
+        render.err_console.print(line, highlight=False, markup=False)
+        return
+    lines = [err.summary]
+    if err.failures:
+        root, others = err.failures[0], err.failures[1:]
+        lines = [f"rank {root.rank}: exit code {root.exitcode}: {root.message}"]
+        if others:
+            lines.append(f"also stopped: rank {', '.join(str(f.rank) for f in others)}")
+        if root.log:
+            lines.append(f"Tracebacks of the failed ranks: {Path(root.log).parent}/")
+    if resume and err.exit_code != EXIT_BAD_INPUT:
+        lines.append(resume)
+    bad_input = err.exit_code == EXIT_BAD_INPUT
+    render.print_error("Bad input" if bad_input else "Training failed", lines)
+
+
 @app.command()
-def launch(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+def launch(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start over in a results folder that holds another run: that run is moved "
+            "aside to <folder>.old-<time>, never deleted.",
+        ),
+    ] = False,
+) -> None:
     """Validate RECIPE, then start its ranks on this node with torchrun.
 
     Run the same command on every node of a multi-node job (or through `srun` on SLURM,
-    where nnodes, node_rank, rdzv_id and the rendezvous host come from the job).
+    where nnodes, node_rank, rdzv_id and the rendezvous host come from the job). A results
+    folder that holds another run is refused: resume it, choose another folder, or --overwrite.
     """
-    run_launch(load_or_exit(recipe, overrides))
+    run_launch(load_or_exit(recipe, overrides), overwrite=overwrite)
 
 
 @app.command()
@@ -136,8 +180,9 @@ def resume(
 ) -> None:
     """Continue a run from a checkpoint: its saved config, plus overrides, launched as before.
 
-    The run goes on exactly where it stopped (same next batch, noise and losses); the fields
-    the overrides change are printed first. See docs/resume.md.
+    The run goes on exactly where it stopped (same next batch, noise and losses), in the
+    folder the checkpoint lives in; the fields the overrides change are printed first. See
+    docs/resume.md.
     """
     from litegen_cli.resume import resume_recipe  # imports torch
 
@@ -150,7 +195,7 @@ def resume(
     render.console.print(f"Resuming from {recipe.config.trainer.resume_run}")
     for line in changes or ["(none)"]:
         render.console.print(f"  changed: {line}", highlight=False, markup=False)
-    run_launch(recipe)
+    run_launch(recipe, continuing=True)
 
 
 @app.command("inspect-config")
@@ -162,6 +207,7 @@ def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     loaded = load_or_exit(recipe, overrides)
     render.console.print(render.config_tree(loaded))
     render.console.print(render.plan_table(derive_plan(loaded)))
+    render.print_warnings(loaded.warnings)
 
 
 @app.command("env")

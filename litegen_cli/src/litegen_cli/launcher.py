@@ -6,37 +6,30 @@ torch is imported inside the functions that need it, so the CLI can import this 
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from litegen_cli.failures import (
+    EXIT_BAD_INPUT,
+    LaunchFailed,
+    RankFailure,
+    launcher_exit_code,
+    rank_failure,
+    root_failure,
+)
+from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, Recipe
 
 RESOLVED_NAME = "recipe.resolved.yaml"
 WORKER_MODULE = "litegen_cli.worker"
 
-
-@dataclass
-class RankFailure:
-    """One failed rank, as reported by torchrun."""
-
-    rank: int
-    exitcode: int
-    message: str
-
-
-class LaunchFailed(Exception):
-    """The worker group failed; carries a short per-rank summary instead of a traceback."""
-
-    def __init__(self, summary: str, failures: list[RankFailure] | None = None, exit_code: int = 1):
-        self.summary = summary
-        self.failures = list(failures or [])
-        self.exit_code = exit_code
-        super().__init__(summary)
+__all__ = ["LaunchFailed", "RankFailure", "launch", "torchrun_args", "write_resolved_recipe"]
 
 
 def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
@@ -68,18 +61,21 @@ def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def write_resolved_recipe(recipe: Recipe) -> Path:
+def write_resolved_recipe(
+    recipe: Recipe, folder: Path | None = None, name: str = RESOLVED_NAME
+) -> Path:
     """Write `launch:` + the validated config to ``<results_dir>/recipe.resolved.yaml``.
 
     The file is written to a temporary name and renamed, so a rank (or another node on a
-    shared file system) never reads a half-written recipe.
+    shared file system) never reads a half-written recipe. ``folder`` replaces the results dir
+    (nodes other than node 0 write theirs to a private folder: node 0 owns the run folder).
 
     >>> write_resolved_recipe(load_recipe("recipes/digits_dit.yaml"))  # doctest: +SKIP
     PosixPath('results/digits/recipe.resolved.yaml')
     """
-    results_dir = Path(recipe.config.get_results_dir())
+    results_dir = Path(folder or recipe.config.get_results_dir())
     results_dir.mkdir(parents=True, exist_ok=True)
-    target = results_dir / RESOLVED_NAME
+    target = results_dir / name
     text = yaml.safe_dump(recipe.resolved_dict(), sort_keys=False)
     fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=f".{RESOLVED_NAME}.", suffix=".tmp")
     try:
@@ -93,19 +89,23 @@ def write_resolved_recipe(recipe: Recipe) -> Path:
 
 
 def _summarize(err: Exception) -> LaunchFailed:
-    """Turn torch's ChildFailedError into per-rank lines (rank, exit code, last error)."""
-    failures = []
-    for rank, failure in getattr(err, "failures", {}).items():  # keyed by global rank
-        message = failure.message or ""
-        if isinstance(message, dict):  # @record's error file: {"message": ..., "extraInfo": ...}
-            message = message.get("message", "")
-        message = str(message).strip()
-        if not message and failure.exitcode < 0:
-            message = f"killed by signal {failure.signal_name()}"
-        failures.append(RankFailure(rank, failure.exitcode, message or "no error file"))
-    failures.sort(key=lambda f: f.rank)
+    """Turn torch's ChildFailedError into the root failure first, then the other ranks."""
+    failures = [rank_failure(rank, f) for rank, f in getattr(err, "failures", {}).items()]
+    if not failures:
+        return LaunchFailed("the worker group failed without a rank failure")
+    root = root_failure(failures)
+    others = sorted((f for f in failures if f is not root), key=lambda f: f.rank)
     name = getattr(err, "name", "worker")
-    return LaunchFailed(f"{len(failures)} rank(s) of {name} failed", failures)
+    return LaunchFailed(
+        f"{len(failures)} rank(s) of {name} failed", [root, *others], launcher_exit_code(root)
+    )
+
+
+def _quiet_torchrun() -> None:
+    """torchrun's agent logs every failure and every rank it stops; the CLI says it once."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
 
 
 def launch(recipe: Recipe) -> Path:
@@ -117,7 +117,34 @@ def launch(recipe: Recipe) -> Path:
     >>> launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))  # doctest: +SKIP
     """
     derive_plan(recipe)  # raises before anything is written or spawned
-    resolved = write_resolved_recipe(recipe)
+    results = Path(recipe.config.get_results_dir())
+    if recipe.launch.node_rank != 0:  # node 0 owns the run folder and its resolved recipe
+        private = Path(tempfile.mkdtemp(prefix=f"litegen-node{recipe.launch.node_rank}-"))
+        try:
+            _run(recipe, write_resolved_recipe(recipe, private))
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        return results / RESOLVED_NAME
+    # The ranks read a pending copy; it becomes recipe.resolved.yaml once they ran, so a launch
+    # refused as bad input (a damaged checkpoint found by the ranks) leaves the earlier one.
+    for leftover in results.glob(f".{RESOLVED_NAME}.*.pending"):  # of a launcher killed before
+        leftover.unlink(missing_ok=True)
+    pending = write_resolved_recipe(recipe, name=f".{RESOLVED_NAME}.{os.getpid()}.pending")
+    keep = True
+    try:
+        _run(recipe, pending)
+    except LaunchFailed as err:
+        keep = err.exit_code != EXIT_BAD_INPUT
+        raise
+    finally:
+        if keep:
+            os.replace(pending, results / RESOLVED_NAME)
+        else:
+            pending.unlink(missing_ok=True)
+    return results / RESOLVED_NAME
+
+
+def _run(recipe: Recipe, resolved: Path) -> None:
     args = torchrun_args(recipe.launch, resolved)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -125,6 +152,9 @@ def launch(recipe: Recipe) -> Path:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    _quiet_torchrun()
+    # Each rank stops when this process dies, even by SIGKILL (lifeline.py).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if recipe.launch.max_restarts > 0:
         # torchrun reuses one TCPStore across restarts by default, and the restarted ranks read
         # the dead group's gloo addresses from it ("Connection refused"); a fresh store per
@@ -141,5 +171,6 @@ def launch(recipe: Recipe) -> Path:
     except SignalException as err:
         # Ctrl-C / scancel: torchrun already stopped the ranks; exit as a shell would.
         name = err.sigval.name
-        raise LaunchFailed(f"stopped by {name}", exit_code=128 + int(err.sigval)) from None
-    return resolved
+        raise LaunchFailed(
+            f"stopped by {name}", exit_code=128 + int(err.sigval), signal=name
+        ) from None

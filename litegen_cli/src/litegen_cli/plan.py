@@ -86,6 +86,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
             f"field 'global_batch_size': {gbs} is not divisible by data-parallel size {dp} "
             f"* trainer.grad_accum_steps {accum} = {dp * accum}"
         )
+    problems += runtime_refusals(recipe)
     if problems:
         raise RecipeError(problems)
 
@@ -126,3 +127,59 @@ def _memory(memory: Any) -> str:
     if _get(memory, "activation_offload", False):
         parts.append("activation offload")
     return "; ".join(parts) or "off"
+
+
+def runtime_refusals(recipe: Recipe) -> list[str]:
+    """What the ranks would refuse at start-up that the recipe already shows, one line each.
+
+    Checked for the general ``optimization`` section and every profile.
+
+    >>> runtime_refusals(load_recipe("hsdp_on_one_node.yaml"))  # doctest: +SKIP
+    ["field 'optimization.parallel.strategy': 'hsdp' replicates across nodes and needs ..."]
+    """
+    cfg = recipe.config
+    device = cfg.runtime.device
+    problems = []
+    if device == "npu":
+        problems.append("field 'runtime.device': 'npu' is reserved; use 'cuda' or 'cpu'")
+    sections = {"optimization": cfg.optimization}
+    for name in cfg.optimization.profiles:
+        sections[f"optimization.profiles.{name}"] = cfg.optimization_for(name)
+    for where, opt in sections.items():
+        parallel, strategy = opt.parallel, opt.parallel.strategy
+        if strategy == "hsdp" and recipe.launch.nnodes < 2:
+            problems.append(
+                f"field '{where}.parallel.strategy': 'hsdp' replicates across nodes and needs "
+                "launch.nnodes >= 2; use 'fsdp2' on one node"
+            )
+        if strategy == "zero2" and parallel.zero1.parameter_sync != "bucketed":
+            problems.append(
+                f"field '{where}.parallel.zero1.parameter_sync': zero2 needs 'bucketed', got "
+                f"{parallel.zero1.parameter_sync!r}"
+            )
+        if strategy == "fsdp1" and opt.precision.fsdp2_mixed.output_dtype is not None:
+            problems.append(
+                f"field '{where}.precision.fsdp2_mixed.output_dtype': FSDP1 has no equivalent; "
+                "unset it, or use strategy 'fsdp2'"
+            )
+        fsdp2 = parallel.fsdp2
+        if (
+            strategy in ("fsdp2", "hsdp")
+            and fsdp2.wrap_strategy == "manual"
+            and not fsdp2.wrap_paths
+        ):
+            problems.append(
+                f"field '{where}.parallel.fsdp2.wrap_paths': wrap_strategy 'manual' needs the "
+                "module paths to shard"
+            )
+        if device == "cpu" and opt.optimizer.backend == "fused":
+            problems.append(
+                f"field '{where}.optimizer.backend': 'fused' needs CUDA parameters and "
+                "runtime.device is cpu; use foreach or single_tensor"
+            )
+        if opt.compile.options and opt.compile.mode != "default":
+            problems.append(
+                f"field '{where}.compile.options': torch.compile takes inductor options only "
+                f"with mode: default (mode is {opt.compile.mode!r})"
+            )
+    return problems

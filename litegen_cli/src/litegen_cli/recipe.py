@@ -11,8 +11,9 @@ import copy
 import difflib
 import importlib.util
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
+from litegen.config.checks import IgnoredOptionWarning, ignored_options
 from litegen_cli.slurm import apply_slurm_env
 
 HEADER = "Error to load config, found the following problems:"
@@ -86,6 +88,7 @@ class Recipe:
     launch: LaunchSpec
     config: MainConfig
     data: dict[str, Any]  # the raw YAML with overrides applied (launch section included)
+    warnings: list[str] = field(default_factory=list)  # options the strategy ignores
 
     @property
     def base_dir(self) -> Path:
@@ -93,8 +96,15 @@ class Recipe:
         return Path(self.launch.recipe_dir) if self.launch.recipe_dir else self.path.parent
 
     def resolved_dict(self) -> dict[str, Any]:
-        """`launch:` + the validated config, ready to be written as the resolved recipe."""
-        return {"launch": self.launch.model_dump(), **self.config.to_dict()}
+        """`launch:` + the validated config, ready to be written as the resolved recipe.
+
+        A ``.py`` entry is written as an absolute path, like the config's paths.
+        """
+        launch = self.launch.model_dump()
+        entry = Path(launch["entry"]).expanduser()
+        if launch["entry"].endswith(".py") and not entry.is_absolute():
+            launch["entry"] = str((self.base_dir / entry).absolute())
+        return {"launch": launch, **self.config.to_dict()}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -282,10 +292,16 @@ def recipe_from_data(
 
     config: MainConfig | None = None
     try:
-        config = MainConfig.from_dict({k: v for k, v in data.items() if k != "launch"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IgnoredOptionWarning)  # returned as Recipe.warnings
+            config = MainConfig.from_dict({k: v for k, v in data.items() if k != "launch"})
     except ValueError as exc:
         problems.extend(_config_problems(exc))
 
     if problems or spec is None or config is None:
         raise RecipeError(problems)
-    return Recipe(path=path, launch=spec, config=config, data=data)
+    # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.
+    config = config.with_absolute_paths()
+    return Recipe(
+        path=path, launch=spec, config=config, data=data, warnings=ignored_options(config)
+    )

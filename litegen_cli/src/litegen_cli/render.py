@@ -83,3 +83,10 @@ def print_error(title: str, lines: list[str]) -> None:
     """Show a short error (no traceback) in a red panel on stderr."""
     body = "\n".join(escape(line) for line in lines) or escape(title)
     err_console.print(Panel(body, title=escape(title), border_style="red"))
+
+
+def print_warnings(lines: list[str]) -> None:
+    """Show warnings (e.g. options the strategy ignores) in one yellow panel on stderr."""
+    if lines:
+        body = "\n".join(f"- {escape(line)}" for line in lines)
+        err_console.print(Panel(body, title="Warnings", border_style="yellow"))

@@ -8,6 +8,7 @@ launched exactly like ``litegen launch`` does. torch is imported only by :func:`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
         >>> changes  # doctest: +SKIP
         ['max_steps: 1000 -> 2000']
     """
-    from litegen.checkpoint.run_state import read_config_text, resolve_checkpoint
+    from litegen.checkpoint.manifest import MANIFEST
+    from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint
 
     try:
         step_dir = resolve_checkpoint(checkpoint).absolute()
@@ -53,6 +55,7 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
     before = {"launch": launch, **saved}
     data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
+    data.update(_folders_of(step_dir, saved))
     path = step_dir / "config.yaml"
     try:
         recipe = recipe_from_data(data, path, overrides)
@@ -63,11 +66,40 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
                 "give the entry module with launch.entry=path/to/entry.py"
             )
         raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
-    try:  # the saved run with defaults filled in, to compare the overrides against
-        base = recipe_from_data(data, path, []).resolved_dict()
+    # The saved run with defaults filled in, to compare the overrides (and a moved folder) with.
+    saved_folders = {key: saved.get(key) for key in ("results_dir", "checkpoint_dir")}
+    try:
+        base = recipe_from_data({**data, **saved_folders}, path, []).resolved_dict()
     except RecipeError:  # e.g. launch.entry only comes from the overrides
         base = before
+    if not (step_dir / MANIFEST).is_file():
+        recipe.warnings.append(
+            f"run checkpoint {step_dir} has no {MANIFEST} (written by an older LiteGen): its "
+            "files are loaded without being verified"
+        )
     return recipe, changed_fields(base, recipe.resolved_dict())
+
+
+def _folders_of(step_dir: Path, saved: dict[str, Any]) -> dict[str, str]:
+    """results_dir and checkpoint_dir for a run continued from ``step_dir``: where it lies.
+
+    The checkpoint_dir is the folder holding ``step_dir``, even when the run was moved (e.g.
+    by ``litegen launch --overwrite``) or saved with relative paths; the results_dir keeps its
+    place relative to the checkpoint_dir. A checkpoint_dir set apart from the results_dir stays
+    apart.
+
+    >>> _folders_of(Path("/new/run/step_4"), {"results_dir": "/old/run"})
+    {'results_dir': '/new/run', 'checkpoint_dir': None}
+    """
+    here = step_dir.parent
+    results = saved.get("results_dir") or os.path.join("results", saved.get("exp_name") or "")
+    checkpoints = saved.get("checkpoint_dir")
+    if not checkpoints or Path(checkpoints) == Path(results):
+        return {"results_dir": str(here), "checkpoint_dir": None}
+    if Path(results).is_absolute() != Path(checkpoints).is_absolute():
+        return {"checkpoint_dir": str(here)}  # no common frame: results_dir stays as saved
+    relative = os.path.relpath(results, checkpoints)
+    return {"results_dir": os.path.normpath(here / relative), "checkpoint_dir": str(here)}
 
 
 def changed_fields(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

@@ -1,7 +1,8 @@
 """Per-rank entry started by torchrun: ``python -m litegen_cli.worker RESOLVED_RECIPE``.
 
-``@record`` writes this rank's exception to torchrun's error file, so the launcher can
-show a one-line reason per failed rank instead of every rank's traceback.
+The rank first ties its life to the launcher's (``lifeline.py``), then trains. An error ends
+the rank with one recorded message and an exit code (``failures.py``), which the launcher turns
+into one message for the user; the traceback goes to ``<results_dir>/logs/rank_<r>.log``.
 """
 
 from __future__ import annotations
@@ -9,15 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from litegen.runtime.distributed import DistEnv
-from litegen_cli.recipe import load_recipe
+from litegen_cli.lifeline import die_with_launcher
 
 
-@record
 def main(argv: list[str] | None = None) -> None:
     """Load the resolved recipe (no overrides: they are already applied) and train.
 
@@ -25,23 +23,46 @@ def main(argv: list[str] | None = None) -> None:
 
         python -m litegen_cli.worker results/digits_dit/recipe.resolved.yaml
     """
+    die_with_launcher()  # before anything slow: a launcher killed meanwhile takes this rank along
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m litegen_cli.worker RESOLVED_RECIPE")
-    recipe = load_recipe(Path(args[0]))
-    _configure_logging(DistEnv.from_environ().rank)
+    rank = int(os.environ.get("RANK", "0"))
+    results_dir = None
+    try:
+        from litegen.config.checks import IgnoredOptionWarning
 
-    from litegen.trainer import run_entry
+        # The launcher has shown these once already; every rank repeating them is noise.
+        warnings.simplefilter("ignore", IgnoredOptionWarning)
+        from litegen_cli.recipe import load_recipe
 
-    # base_dir is the ORIGINAL recipe folder (launch.recipe_dir), not the results dir the
-    # resolved copy lives in, so relative entry paths resolve as the user wrote them.
-    run_entry(recipe.config, entry=recipe.launch.entry, base_dir=recipe.base_dir)
+        recipe = load_recipe(Path(args[0]))
+        results_dir = recipe.config.get_results_dir()
+
+        from litegen.runtime.distributed import DistEnv
+
+        _configure_logging(DistEnv.from_environ().rank)
+
+        from litegen.trainer import run_entry
+
+        # base_dir is the ORIGINAL recipe folder (launch.recipe_dir), not the results dir the
+        # resolved copy lives in, so relative entry paths resolve as the user wrote them.
+        run_entry(recipe.config, entry=recipe.launch.entry, base_dir=recipe.base_dir)
+    except BaseException as err:  # every failure becomes one recorded message and exit code
+        from litegen_cli.failures import record_failure
+
+        code = record_failure(err, rank, results_dir)
+        _leave(code)
     # Every rank has passed run_entry's final barrier and every file is closed. Leaving now
     # skips the interpreter's teardown of the process groups' C++ threads, which can abort a
     # rank ("terminate called without an active exception") or hang in destroy_process_group.
+    _leave(0)
+
+
+def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _configure_logging(rank: int) -> None:

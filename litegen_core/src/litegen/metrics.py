@@ -32,9 +32,17 @@ def _keep_records_up_to(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one record; None for a blank line or one cut short by a killed run."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return None
 
 
 class MetricsLogger:

@@ -354,7 +354,8 @@ class Trainer:
 
     def save_run_checkpoint(self) -> None:
         """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
-        files = {"config.yaml": self.config.to_yaml()}
+        # Absolute paths: `litegen resume` from any folder continues in the same folders.
+        files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
         if self.run_info:
             files["launch.yaml"] = yaml.safe_dump(self.run_info, sort_keys=False)
         self.checkpointer.save(self.step, self._rank_state(), files)

@@ -1,5 +1,6 @@
 """Everything checkpoints: single files (names, atomic writes, validated loads), run checkpoint
-folders (``run_state``), ZeRO's sharded optimizer files (``zero_state``) and the checkpoint half
+folders (``run_state`` writes and loads them, ``step_dirs`` finds and checks them, ``manifest``
+verifies their files), ZeRO's sharded optimizer files (``zero_state``) and the checkpoint half
 of the LiteGen object (``api``)."""
 
 from litegen.checkpoint.files import (
@@ -12,14 +13,11 @@ from litegen.checkpoint.files import (
     replace_dir,
     save_state,
 )
-from litegen.checkpoint.run_state import (
-    RunCheckpointer,
-    Trainable,
-    capture_rng,
+from litegen.checkpoint.run_state import RunCheckpointer, Trainable, capture_rng, restore_rng
+from litegen.checkpoint.step_dirs import (
     find_latest,
     list_checkpoints,
     resolve_checkpoint,
-    restore_rng,
     step_dir_name,
 )
 

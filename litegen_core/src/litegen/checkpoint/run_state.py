@@ -7,21 +7,26 @@ Layout of ``<checkpoint_dir>``::
         trainer/rank_<r>.pt   step, sampler cursor, LR schedulers, RNG states of rank r
         config.yaml           the resolved config of the run
         launch.yaml           how `litegen launch` started it (entry, ranks), when known
+        MANIFEST.json         size and BLAKE2b digest of every file above (checkpoint/manifest.py)
         COMPLETE              written last: a folder without it is never loaded
     latest                    name of the newest complete step folder, updated after the rename
     .step_<N>.tmp-<id>/       a save in progress, or one killed midway: never read, removed later
 
-A save writes into the temporary folder, marks it complete, renames it into place, then moves
-the ``latest`` pointer and only then prunes old folders (``keep_last``). A crash or ``kill -9``
-at any point therefore leaves the previous complete checkpoint untouched and loadable.
+A save writes into the temporary folder; once every rank's files are written, rank 0 hashes
+them into the manifest, marks the folder complete, renames it into place, moves the ``latest``
+pointer and only then prunes old folders (``keep_last``), all in a background thread that the
+next save (or the end of the run) waits for. A crash or ``kill -9`` at any point therefore
+leaves the previous complete checkpoint untouched and loadable. Loading checks every file
+against the manifest first (sizes, then digests, each rank hashing a share of the files).
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
-import re
 import shutil
+import threading
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
@@ -32,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 
 from litegen.checkpoint.files import (
     atomic_write,
@@ -40,123 +44,42 @@ from litegen.checkpoint.files import (
     check_model_state,
     replace_dir,
 )
+from litegen.checkpoint.manifest import (
+    digest_problems,
+    read_manifest,
+    share_of,
+    summarize,
+    write_manifest,
+)
+from litegen.checkpoint.step_dirs import (
+    COMPLETE,
+    LATEST,
+    LEFTOVER,
+    find_latest,
+    list_checkpoints,
+    read_config_text,
+    read_metadata,
+    resolve_checkpoint,
+    step_dir_name,
+)
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_LEFTOVER = re.compile(r"^\.step_\d+\.(tmp|old)-")
+# Finding and checking step folders lives in step_dirs; its names stay importable from here.
+__all__ = [
+    "COMPLETE",
+    "LATEST",
+    "RunCheckpointer",
+    "Trainable",
+    "capture_rng",
+    "find_latest",
+    "list_checkpoints",
+    "read_config_text",
+    "read_metadata",
+    "resolve_checkpoint",
+    "restore_rng",
+    "step_dir_name",
+]
 
-
-def step_dir_name(step: int) -> str:
-    """Folder name of the checkpoint taken after ``step`` optimizer steps: ``step_dir_name(10)``
-    -> ``'step_10'``."""
-    return f"step_{step}"
-
-
-def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root``, oldest step first.
-
-    Example:
-        >>> list_checkpoints("results/dit")  # doctest: +SKIP
-        [(500, PosixPath('results/dit/step_500')), (1000, PosixPath('results/dit/step_1000'))]
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def find_latest(root: str | Path) -> Path | None:
-    """The checkpoint ``latest`` names, or the newest complete one when the pointer is unusable.
-
-    The pointer wins over "highest step" because a run resumed from an earlier step writes
-    lower steps than an abandoned later checkpoint that may still sit in the folder.
-    """
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text(encoding="utf-8").strip()
-        if target.name and (target / COMPLETE).is_file():
-            return target
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Validate a run checkpoint: a ``step_<N>`` folder, or a checkpoint_dir (its latest one).
-
-    Raises ``FileNotFoundError`` or ``ValueError`` naming the path and what is wrong; reads only.
-
-    Example:
-        >>> resolve_checkpoint("results/dit")  # doctest: +SKIP
-        PosixPath('results/dit/step_1000')
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"run checkpoint {path} does not exist; pass a step_<N> folder written by the "
-            f"training loop, or the checkpoint_dir that holds them (cwd: {Path.cwd()})."
-        )
-    if not path.is_dir():
-        raise ValueError(f"run checkpoint {path} is a file; pass a step_<N> folder instead.")
-    if not (path / COMPLETE).is_file() and not (path / "trainer").is_dir():
-        latest = find_latest(path)
-        if latest is None:
-            raise FileNotFoundError(
-                f"{path} holds no complete run checkpoint (no step_<N> folder with a {COMPLETE} "
-                "marker); set trainer.checkpoint_every to write some."
-            )
-        path = latest
-    if not (path / COMPLETE).is_file():
-        raise ValueError(
-            f"run checkpoint {path} is partial: it has no {COMPLETE} marker (the save was "
-            "interrupted). Resume from an earlier step_<N> folder or the checkpoint_dir's latest."
-        )
-    for required in ("config.yaml", "trainer/rank_0.pt", "model_0/.metadata"):
-        if not (path / required).is_file():
-            raise ValueError(f"run checkpoint {path} is corrupt: {required} is missing.")
-    for model_dir in sorted(path.glob("model_*")):
-        read_metadata(model_dir)  # raises on a truncated or foreign file
-    return path
-
-
-def read_metadata(model_dir: Path) -> Any:
-    """DCP's ``.metadata`` of one model folder; ValueError naming the file when unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(str(model_dir)).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as err:
-        raise ValueError(
-            f"run checkpoint {model_dir.parent} is corrupt: {model_dir / '.metadata'} cannot be "
-            f"read ({type(err).__name__}: {err})."
-        ) from err
-
-
-def read_config_text(
-    path: Path, name: str = "config.yaml", *, optional: bool = False
-) -> dict[str, Any]:
-    """A YAML mapping a checkpoint folder holds (by default the config it was saved with).
-
-    ``optional``: a missing or empty file reads as ``{}`` instead of raising.
-
-    Example:
-        >>> launch = read_config_text(step_dir, "launch.yaml", optional=True)
-    """
-    file = Path(path) / name
-    if optional and not file.is_file():
-        return {}
-    data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    if optional and data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"run checkpoint {path} is corrupt: {name} is not a mapping.")
-    return data
+log = logging.getLogger("litegen")
 
 
 # -- RNG ---------------------------------------------------------------------------------------
@@ -246,7 +169,7 @@ class RunCheckpointer:
     Example:
         >>> ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
         >>> ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
-        >>> ckpt.wait()  # only needed with async_save=True
+        >>> ckpt.wait()  # step_1000 is complete and `latest` (the next save waits too)
     """
 
     def __init__(
@@ -262,6 +185,8 @@ class RunCheckpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[list[Any], Path, int] | None = None
+        self._sealed = False  # files written everywhere; rank 0 may still be publishing them
+        self._publisher: _Publisher | None = None  # rank 0's background publication
         self._group = None
         if async_save:
             # The background writer runs collectives while the loop runs its own; a separate
@@ -272,7 +197,8 @@ class RunCheckpointer:
         """Start writing ``step_<step>``; it is complete (and ``latest``) once :meth:`wait` ran.
 
         ``rank_state`` is this rank's trainer state; ``extra_files`` (name -> text) are written
-        by rank 0. Synchronous saves call :meth:`wait` before returning.
+        by rank 0. A synchronous save returns once every rank's files are written; the manifest,
+        the marker and ``latest`` follow in rank 0's background thread.
         """
         self.wait()  # the previous asynchronous save must be complete before the next starts
         rank = dist.get_rank()
@@ -303,29 +229,44 @@ class RunCheckpointer:
                 dcp.save(state, checkpoint_id=model_dir)
         self._pending = (futures, tmp, step)
         if not self.async_save:
-            self.wait()
+            self._seal()
 
-    def wait(self) -> None:
-        """Finish the pending save: marker, rename into place, ``latest``, then retention."""
-        if self._pending is None:
-            return
+    def _seal(self) -> None:
+        """Once every rank's files are written, rank 0 publishes them in a background thread:
+        manifest (hashing every file), marker, rename into place, ``latest``, retention."""
         futures, tmp, step = self._pending
         self._pending = None
         for future in futures:
             future.result()
-        dist.barrier()  # every rank's files are written before rank 0 declares them complete
+        dist.barrier()  # every rank's files are written before rank 0 hashes and publishes them
+        self._sealed = True
         if dist.get_rank() == 0:
-            final = self.root / step_dir_name(step)
-            _publish(tmp, final)
-            atomic_write_text(self.root / LATEST, final.name + "\n")
-            self._prune(keep=final)
-        dist.barrier()
+            self._publisher = _Publisher(self._publish_step, tmp, step)
+
+    def _publish_step(self, tmp: Path, step: int) -> None:
+        final = self.root / step_dir_name(step)
+        _publish(tmp, final)
+        atomic_write_text(self.root / LATEST, final.name + "\n")
+        self._prune(keep=final)
+
+    def wait(self) -> None:
+        """Finish the last save: once this returns on any rank, it is complete and ``latest``."""
+        if self._pending is not None:
+            self._seal()
+        if not self._sealed:
+            return
+        self._sealed = False
+        publisher, self._publisher = self._publisher, None
+        error = publisher.join() if publisher is not None else None
+        dist.barrier()  # rank 0 has published (or failed to)
+        if error is not None:
+            raise error
 
     def _remove_leftovers(self) -> None:
         """Temporary folders of saves that were killed midway (they were never complete)."""
         if self.root.is_dir():
             for child in self.root.iterdir():
-                if _LEFTOVER.match(child.name):
+                if LEFTOVER.match(child.name):
                     shutil.rmtree(child, ignore_errors=True)
 
     def _prune(self, keep: Path) -> None:
@@ -345,6 +286,7 @@ class RunCheckpointer:
         model raises a ValueError naming the checkpoint and every differing tensor.
         """
         path = resolve_checkpoint(path)
+        self._verify_digests(path)
         targets = self.trainables()
         saved = len(list(path.glob("model_*")))
         if saved != len(targets):
@@ -357,14 +299,17 @@ class RunCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         for i, target in enumerate(targets):
+            from torch.distributed.checkpoint.api import CheckpointException
+
             try:
                 state = target.dcp_state()
                 dcp.load(state, checkpoint_id=str(path / f"model_{i}"))
                 target.load_dcp_state(state)
-            except Exception as err:  # DCP wraps every rank's read error in one exception
+            # DCP gathers every rank's read error into a CheckpointException, a BaseException.
+            except (Exception, CheckpointException) as err:
                 raise ValueError(
-                    f"run checkpoint {path} is corrupt: loading model_{i} failed "
-                    f"({type(err).__name__}: {str(err)[:500]})."
+                    f"run checkpoint {path} is corrupt: loading {path / f'model_{i}'} failed "
+                    f"({_one_line(err)})."
                 ) from err
         saved_ranks = len(list((path / "trainer").glob("rank_*.pt")))
         # At another world size rank r takes rank r % saved's state (see docs/resume.md).
@@ -376,6 +321,27 @@ class RunCheckpointer:
                 f"run checkpoint {path} is corrupt: {rank_file} cannot be read "
                 f"({type(err).__name__}: {err})."
             ) from err
+
+    def _verify_digests(self, path: Path) -> None:
+        """Every rank hashes its share of the files; any mismatch raises on every rank."""
+        manifest = read_manifest(path)
+        if manifest is None:
+            if dist.get_rank() == 0:
+                log.warning(
+                    "run checkpoint %s has no MANIFEST.json (it was written by an older "
+                    "LiteGen), so its files cannot be verified; loading it as it is.",
+                    path,
+                )
+            return
+        mine = share_of(manifest, dist.get_rank(), dist.get_world_size())
+        found: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, digest_problems(path, manifest, mine))
+        problems = [line for part in found for line in part or []]
+        if problems:
+            raise ValueError(
+                f"run checkpoint {path} is corrupt: {summarize(problems)}. Resume from another "
+                "step_<N> folder."
+            )
 
     def _check(self, model_dir: Path, target: Trainable) -> None:
         metadata = read_metadata(model_dir).state_dict_metadata
@@ -396,6 +362,43 @@ class RunCheckpointer:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Mark ``tmp`` complete and rename it to ``final`` (replacing an older one of that name)."""
+    """Hash ``tmp`` into its manifest, mark it complete and rename it to ``final`` (replacing an
+    older one of that name)."""
+    write_manifest(tmp)
     atomic_write_text(tmp / COMPLETE, "ok\n")
     replace_dir(tmp, final)
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: first line`` of an error; for DCP's CheckpointException, of the first rank's."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {_one_line(cause)}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+class _Publisher:
+    """A thread that runs ``fn(*args)`` and keeps its error for :meth:`join`.
+
+    Not a daemon: a run that ends while a checkpoint is being published finishes publishing it.
+    """
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, *args), name="litegen-checkpoint-publish"
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as err:  # re-raised in the training thread by join()
+            self.error = err
+
+    def join(self) -> BaseException | None:
+        """Wait for the thread; return its error, if any."""
+        self._thread.join()
+        return self.error

@@ -152,10 +152,14 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def __init__(self, /, **data: Any) -> None:
+        found = type(self).whole_config_problems(data)
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError.from_validation_error(type(self), exc) from None
+            problems = found + ConfigError.from_validation_error(type(self), exc).problems
+            raise ConfigError(problems) from None
+        if found:
+            raise ConfigError(found)
 
     # Same validation as BaseModel.__init__, only the error type differs: tell pydantic it
     # need not call this __init__ for nested models (their errors must stay pydantic's so
@@ -165,10 +169,21 @@ class Config(BaseModel):
     @classmethod
     def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
         """Like pydantic's ``model_validate``, but raises ``ConfigError`` on bad input."""
+        found = cls.whole_config_problems(obj)
         try:
-            return super().model_validate(obj, *args, **kwargs)
+            result = super().model_validate(obj, *args, **kwargs)
         except ValidationError as exc:
-            raise ConfigError.from_validation_error(cls, exc) from None
+            problems = found + ConfigError.from_validation_error(cls, exc).problems
+            raise ConfigError(problems) from None
+        if found:
+            raise ConfigError(found)
+        return result
+
+    @classmethod
+    def whole_config_problems(cls, data: Any) -> list[tuple[str, str]]:
+        """``(path, message)`` problems of the raw input that no field validator sees (none
+        here); listed with pydantic's, so every problem is reported at once."""
+        return []
 
     @model_validator(mode="after")
     def _convert_extras(self) -> Config:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
@@ -23,6 +24,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from litegen.config.base import Config, ConfigError
+from litegen.config.checks import IgnoredOptionWarning, ignored_options, typo_problems
 from litegen.config.sections import (
     EMAConfig,
     OptimizationConfig,
@@ -107,6 +109,17 @@ class MainConfig(Config):
                 "(resume_from for an explicit checkpoint, auto_resume for the latest one)"
             )
         return value
+
+    @classmethod
+    def whole_config_problems(cls, data: Any) -> list[tuple[str, str]]:
+        """Top-level keys that are near misses of a field (``max_step``): typos, not extras."""
+        return typo_problems(data, cls.model_fields)
+
+    @model_validator(mode="after")
+    def _warn_ignored_options(self) -> MainConfig:
+        for line in ignored_options(self):
+            warnings.warn(line, IgnoredOptionWarning, stacklevel=2)
+        return self
 
     # ------------------------------------------------------------------ constructors
 
@@ -193,3 +206,31 @@ class MainConfig(Config):
     def get_checkpoint_dir(self) -> str:
         """``checkpoint_dir``, or the results directory: ``cfg.get_checkpoint_dir()``."""
         return self.checkpoint_dir or self.get_results_dir()
+
+    def with_absolute_paths(self, cwd: str | os.PathLike[str] | None = None) -> Self:
+        """A copy whose paths are absolute (relative ones resolved against ``cwd``, default the
+        current folder), so the run reads and writes the same files from any folder.
+
+        ``results_dir`` is filled in (``results/<exp_name>`` when unset); the other path
+        fields only when set.
+
+        >>> MainConfig(results_dir="out").with_absolute_paths("/runs").results_dir
+        '/runs/out'
+        """
+        base = Path(cwd) if cwd is not None else Path.cwd()
+
+        def absolute(path: str | None) -> str | None:
+            return None if path is None else str(base / Path(path).expanduser())
+
+        return self.model_copy(
+            update={
+                "results_dir": absolute(self.get_results_dir()),
+                "checkpoint_dir": absolute(self.checkpoint_dir),
+                "init_from": absolute(self.init_from),
+                "resume_from": absolute(self.resume_from),
+                "ema": self.ema.model_copy(update={"resume_from": absolute(self.ema.resume_from)}),
+                "trainer": self.trainer.model_copy(
+                    update={"resume_run": absolute(self.trainer.resume_run)}
+                ),
+            }
+        )

@@ -31,7 +31,25 @@ STRATEGIES: dict[str, str] = {
     "hsdp": "litegen.parallel.fsdp2:HsdpStrategy",
 }
 
-__all__ = ["STRATEGIES", "ParallelPlan", "Strategy", "build_strategy", "strategy_class"]
+# Options that only some strategies read: config path -> the strategies that read it. Set away
+# from its default under any other strategy, an option does nothing, and the config warns
+# (litegen.config.checks.ignored_options). Options every strategy reads are not listed.
+STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "optimization.parallel.zero1": ("zero1", "zero2"),
+    "optimization.parallel.fsdp2": ("fsdp2", "hsdp"),
+    "optimization.precision.fsdp2_mixed": ("fsdp1", "fsdp2", "hsdp"),
+    "optimization.optimizer.fp32_master_weights": ("ddp", "zero1", "zero2", "fsdp2", "hsdp"),
+    "ema.sharded": ("ddp", "zero1", "zero2", "fsdp2", "hsdp"),
+}
+
+__all__ = [
+    "STRATEGIES",
+    "STRATEGY_OPTIONS",
+    "ParallelPlan",
+    "Strategy",
+    "build_strategy",
+    "strategy_class",
+]
 
 
 def strategy_class(name: str) -> type[Strategy]:

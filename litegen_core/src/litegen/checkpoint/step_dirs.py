@@ -1,0 +1,141 @@
+"""Run checkpoint folders on disk: their names, the newest complete one, and the checks made
+before one is loaded (markers, required files, the manifest's sizes, DCP's metadata).
+
+The layout is described in :mod:`litegen.checkpoint.run_state`, which writes the folders.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from litegen.checkpoint.manifest import read_manifest, size_problems, summarize
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+LEFTOVER = re.compile(r"^\.step_\d+\.(tmp|old)-")
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint taken after ``step`` optimizer steps: ``step_dir_name(10)``
+    -> ``'step_10'``."""
+    return f"step_{step}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, oldest step first.
+
+    Example:
+        >>> list_checkpoints("results/dit")  # doctest: +SKIP
+        [(500, PosixPath('results/dit/step_500')), (1000, PosixPath('results/dit/step_1000'))]
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names, or the newest complete one when the pointer is unusable.
+
+    The pointer wins over "highest step" because a run resumed from an earlier step writes
+    lower steps than an abandoned later checkpoint that may still sit in the folder.
+    """
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text(encoding="utf-8").strip()
+        if target.name and (target / COMPLETE).is_file():
+            return target
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Validate a run checkpoint: a ``step_<N>`` folder, or a checkpoint_dir (its latest one).
+
+    Raises ``FileNotFoundError`` or ``ValueError`` naming the path and what is wrong; reads only.
+
+    Example:
+        >>> resolve_checkpoint("results/dit")  # doctest: +SKIP
+        PosixPath('results/dit/step_1000')
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"run checkpoint {path} does not exist; pass a step_<N> folder written by the "
+            f"training loop, or the checkpoint_dir that holds them (cwd: {Path.cwd()})."
+        )
+    if not path.is_dir():
+        raise ValueError(f"run checkpoint {path} is a file; pass a step_<N> folder instead.")
+    if not (path / COMPLETE).is_file() and not (path / "trainer").is_dir():
+        latest = find_latest(path)
+        if latest is None:
+            raise FileNotFoundError(
+                f"{path} holds no complete run checkpoint (no step_<N> folder with a {COMPLETE} "
+                "marker); set trainer.checkpoint_every to write some."
+            )
+        path = latest
+    if not (path / COMPLETE).is_file():
+        raise ValueError(
+            f"run checkpoint {path} is partial: it has no {COMPLETE} marker (the save was "
+            "interrupted). Resume from an earlier step_<N> folder or the checkpoint_dir's latest."
+        )
+    for required in ("config.yaml", "trainer/rank_0.pt", "model_0/.metadata"):
+        if not (path / required).is_file():
+            raise ValueError(f"run checkpoint {path} is corrupt: {required} is missing.")
+    manifest = read_manifest(path)
+    if manifest is not None:
+        problems = size_problems(path, manifest)
+        if problems:
+            raise ValueError(
+                f"run checkpoint {path} is corrupt: {summarize(problems)}. Resume from another "
+                "step_<N> folder."
+            )
+    for model_dir in sorted(path.glob("model_*")):
+        read_metadata(model_dir)  # raises on a truncated or foreign file
+    return path
+
+
+def read_metadata(model_dir: Path) -> Any:
+    """DCP's ``.metadata`` of one model folder; ValueError naming the file when unreadable."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(model_dir)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"run checkpoint {model_dir.parent} is corrupt: {model_dir / '.metadata'} cannot be "
+            f"read ({type(err).__name__}: {err})."
+        ) from err
+
+
+def read_config_text(
+    path: Path, name: str = "config.yaml", *, optional: bool = False
+) -> dict[str, Any]:
+    """A YAML mapping a checkpoint folder holds (by default the config it was saved with).
+
+    ``optional``: a missing or empty file reads as ``{}`` instead of raising.
+
+    Example:
+        >>> launch = read_config_text(step_dir, "launch.yaml", optional=True)
+    """
+    file = Path(path) / name
+    if optional and not file.is_file():
+        return {}
+    data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    if optional and data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"run checkpoint {path} is corrupt: {name} is not a mapping.")
+    return data

@@ -1,0 +1,178 @@
+"""Checks of a whole config that no single field can make: top-level typos, ignored options.
+
+- A top-level key that LiteGen does not define is kept as the user's own field, unless it is a
+  near miss of a defined one (``max_step`` for ``max_steps``): that is an error, since the run
+  would otherwise silently use the default.
+- An option that only some strategies read (``litegen.parallel.STRATEGY_OPTIONS``), set away
+  from its default while the chosen strategy ignores it, is a warning naming both.
+
+Like the rest of :mod:`litegen.config`, this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from litegen.parallel import STRATEGY_OPTIONS
+
+
+class IgnoredOptionWarning(UserWarning):
+    """An option is set that the chosen parallel strategy never reads."""
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and adjacent swaps turning ``a`` into ``b``.
+
+    >>> edit_distance("max_step", "max_steps"), edit_distance("init_form", "init_from")
+    (1, 1)
+    """
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            row.append(cost)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def near_miss(key: str, fields: Iterable[str]) -> str | None:
+    """The defined field ``key`` is most likely a typo of, or None.
+
+    Close means: the same name up to case and ``-``/``_``; otherwise one edit for names of up
+    to 6 letters and two for longer ones. Names of up to 3 letters (``lr``, ``ema``) only
+    match up to case, so short fields of the user's own stay free.
+
+    >>> near_miss("max_step", ["max_steps", "lr"]), near_miss("lrs", ["lr"]), near_miss("LR", ["lr"])
+    ('max_steps', None, 'lr')
+    """
+    best: tuple[int, str] | None = None
+    for field in fields:
+        allowed = 0 if len(field) <= 3 else 1 if len(field) <= 6 else 2
+        distance = edit_distance(_normalized(key), _normalized(field))
+        if distance <= allowed and (best is None or distance < best[0]):
+            best = (distance, field)
+    return best[1] if best else None
+
+
+def typo_problems(data: Any, fields: Iterable[str]) -> list[tuple[str, str]]:
+    """``(key, message)`` for every top-level key of ``data`` that is a near miss of a field.
+
+    >>> typo_problems({"max_step": 4, "my_model": {}}, ["max_steps"])[0][1][:38]
+    "unknown field, did you mean 'max_steps"
+    """
+    if not isinstance(data, Mapping):
+        return []
+    fields = list(fields)
+    problems = []
+    for key in data:
+        if not isinstance(key, str) or key in fields:
+            continue
+        close = near_miss(key, fields)
+        if close is not None:
+            problems.append(
+                (
+                    key,
+                    f"unknown field, did you mean '{close}'? Your own top-level fields are "
+                    f"kept, but one this close to a LiteGen field is taken for a typo; "
+                    f"rename it if it is yours.",
+                )
+            )
+    return problems
+
+
+# --------------------------------------------------------------------------- ignored options
+
+
+def _plain(value: Any) -> Any:
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
+
+
+def _leaves(value: Any, prefix: str) -> dict[str, Any]:
+    value = _plain(value)
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, child in value.items():
+            out.update(_leaves(child, f"{prefix}.{key}"))
+        return out
+    return {prefix: value}
+
+
+def _walk(section: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        section = getattr(section, part)
+    return section
+
+
+def _changed(section: Any, default: Any, dotted: str, prefix: str) -> dict[str, Any]:
+    """Leaves under ``dotted`` whose value differs from the default section's."""
+    mine = _leaves(_walk(section, dotted), f"{prefix}.{dotted}")
+    base = _leaves(_walk(default, dotted), f"{prefix}.{dotted}")
+    return {path: value for path, value in mine.items() if base.get(path) != value}
+
+
+def _describe(path: str, value: Any, strategies: list[str], readers: tuple[str, ...]) -> str:
+    if len(strategies) == 1:
+        who = f"strategy '{strategies[0]}' ignores it"
+    else:
+        who = f"none of the strategies in use ({', '.join(strategies)}) reads it"
+    return (
+        f"{path} is set ({value!r}), but {who}; only {', '.join(readers)} read it. "
+        "Remove it, or choose a strategy that reads it."
+    )
+
+
+def ignored_options(config: Any) -> list[str]:
+    """One line per set option that no strategy of ``config`` reads (see the module docs).
+
+    An option of the general ``optimization`` section counts as read when the general strategy
+    or any profile's strategy reads it (profiles inherit it); an option set in a profile, when
+    that profile's strategy reads it.
+
+    >>> cfg = MainConfig(optimization={"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}})
+    >>> ignored_options(cfg)[0][:60]  # doctest: +SKIP
+    "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16')"
+    """
+    optimization = config.optimization
+    default = type(optimization)()
+    profiles = {name: optimization.resolve(name) for name in optimization.profiles}
+    in_use = [optimization.parallel.strategy]
+    in_use += [p.parallel.strategy for p in profiles.values() if p.parallel.strategy not in in_use]
+    lines = []
+    for option, readers in STRATEGY_OPTIONS.items():
+        section_name, _, dotted = option.partition(".")
+        if section_name == "optimization":
+            if any(strategy in readers for strategy in in_use):
+                continue
+            changed = _changed(optimization, default, dotted, "optimization")
+            strategies = in_use
+        else:  # a section outside optimization: the general strategy decides
+            if optimization.parallel.strategy in readers:
+                continue
+            top = getattr(config, section_name)
+            changed = _changed(top, type(top)(), dotted, section_name)
+            strategies = [optimization.parallel.strategy]
+        lines += [_describe(path, value, strategies, readers) for path, value in changed.items()]
+    for name, profile in optimization.profiles.items():
+        strategy = profiles[name].parallel.strategy
+        written = _leaves(profile.to_dict(), f"optimization.profiles.{name}")
+        for option, readers in STRATEGY_OPTIONS.items():
+            section_name, _, dotted = option.partition(".")
+            if section_name != "optimization" or strategy in readers:
+                continue
+            prefix = f"optimization.profiles.{name}.{dotted}"
+            lines += [
+                _describe(path, value, [strategy], readers)
+                for path, value in written.items()
+                if path == prefix or path.startswith(prefix + ".")
+            ]
+    return lines

@@ -1,0 +1,139 @@
+"""Whole-config checks: top-level typos are errors, options the strategy ignores are warnings,
+and inspect-config shows both along with what the ranks would refuse."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from litegen.config import MainConfig
+from litegen.config.checks import IgnoredOptionWarning, ignored_options, near_miss
+from litegen_cli.app import app
+
+ENTRY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_entry.py"
+
+
+@pytest.mark.parametrize(
+    ("key", "field"),
+    [("max_step", "max_steps"), ("Max_Steps", "max_steps"), ("optimisation", "optimization"),
+     ("init_form", "init_from"), ("run-time", "runtime"), ("LR", "lr"), ("trainers", "trainer")],
+)  # fmt: skip
+def test_a_top_level_typo_is_an_error_with_the_suggestion(key, field):
+    with pytest.raises(ValueError, match=rf"field '{key}': unknown field, did you mean '{field}'"):
+        MainConfig.from_dict({key: 4})
+
+
+def test_typos_are_listed_with_the_other_problems_and_user_fields_stay():
+    with pytest.raises(ValueError) as info:
+        MainConfig(max_step=4, lr="fast")
+    assert "field 'max_step'" in str(info.value) and "field 'lr'" in str(info.value)
+    cfg = MainConfig.from_dict({"lrs": [1, 2], "emb": 3, "num_frames": 8, "warmup_lr": 1e-6})
+    assert (cfg.lrs, cfg.emb, cfg.num_frames) == ([1, 2], 3, 8)
+    assert near_miss("data", MainConfig.model_fields) is None
+
+
+def test_a_subclass_field_is_matched_too():
+    class VideoConfig(MainConfig):
+        num_frames: int = 16
+
+    with pytest.raises(ValueError, match="did you mean 'num_frames'"):
+        VideoConfig.from_dict({"num_frame": 8})
+
+
+def ignored(data: dict) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = MainConfig.from_dict(data)
+    lines = ignored_options(config)
+    assert [str(w.message) for w in caught if w.category is IgnoredOptionWarning] == lines
+    return lines
+
+
+def test_options_the_strategy_ignores_warn_with_option_and_strategy():
+    lines = ignored(
+        {"optimization": {"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}}}  # ddp
+    )
+    assert lines == [
+        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp' "
+        "ignores it; only fsdp1, fsdp2, hsdp read it. Remove it, or choose a strategy that "
+        "reads it."
+    ]
+    fsdp2 = {"parallel": {"strategy": "fsdp2", "zero1": {"bucket_size_mb": 8}}}
+    [line] = ignored({"optimization": fsdp2})
+    assert line.startswith(
+        "optimization.parallel.zero1.bucket_size_mb is set (8), but strategy 'fsdp2'"
+    )
+    assert ignored({"optimization": {"parallel": {"strategy": "fsdp1"}}, "ema": {"sharded": False}})
+    # Read by the strategy, or left at the default: nothing to say.
+    assert (
+        ignored(
+            {"optimization": {"parallel": {"strategy": "zero2", "zero1": {"bucket_size_mb": 8}}}}
+        )
+        == []
+    )
+    assert ignored({"optimization": {"parallel": {"zero1": {"bucket_size_mb": 64}}}}) == []
+
+
+def test_profiles_count_for_the_general_options_and_are_checked_themselves():
+    frozen_ddp = {"parallel": {"strategy": "ddp", "fsdp2": {"wrap_strategy": "manual"}}}
+    optimization = {
+        "parallel": {"strategy": "ddp", "fsdp2": {"reshard_after_forward": False}},
+        "profiles": {"dit": {"parallel": {"strategy": "fsdp2"}}, "frozen": frozen_ddp},
+    }
+    # The dit profile (fsdp2) inherits the general fsdp2 options, so they are read.
+    assert ignored({"optimization": optimization}) == [
+        "optimization.profiles.frozen.parallel.fsdp2.wrap_strategy is set ('manual'), but "
+        "strategy 'ddp' ignores it; only fsdp2, hsdp read it. Remove it, or choose a strategy "
+        "that reads it."
+    ]
+
+
+def recipe(tmp_path: Path, **extra) -> Path:
+    data = {
+        "launch": {"entry": str(ENTRY), "nproc_per_node": 2},
+        "results_dir": str(tmp_path / "results"),
+        "runtime": {"device": "cpu"},
+        "global_batch_size": 8,
+        **extra,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def inspect(*args):
+    return CliRunner().invoke(app, ["inspect-config", *map(str, args)], env={"COLUMNS": "300"})
+
+
+def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
+    result = inspect(recipe(tmp_path, max_step=4))
+    assert result.exit_code == 2
+    assert "field 'max_step': unknown field, did you mean 'max_steps'?" in result.output
+    result = inspect(recipe(tmp_path), "optimization.precision.fsdp2_mixed.param_dtype=bf16")
+    assert result.exit_code == 0, result.output
+    assert "Warnings" in result.output
+    assert (
+        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp'"
+        in result.output
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optimization.parallel.strategy=hsdp"], "'hsdp' replicates across nodes and needs launch.nnodes >= 2"),
+        (["optimization.parallel.cp_size=2"], "field 'optimization.parallel.cp_size': ring attention is reserved"),
+        (["optimization.parallel.strategy=zero2", "optimization.parallel.zero1.parameter_sync=native"], "zero2 needs 'bucketed'"),
+        (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp2_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
+        (["optimization.optimizer.backend=fused"], "'fused' needs CUDA parameters"),
+        (["optimization.profiles.big.parallel.strategy=hsdp"], "field 'optimization.profiles.big.parallel.strategy': 'hsdp'"),
+    ],
+)  # fmt: skip
+def test_inspect_config_reports_what_the_ranks_would_refuse(tmp_path, overrides, expected):
+    result = inspect(recipe(tmp_path), *overrides)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
