@@ -240,6 +240,8 @@ class Trainer:
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
+        if cfg.export_diffusers:
+            self.gen.save_diffusers(ema=cfg.export_ema and self.gen.ema is not None)
         return losses
 
     # -- run checkpoints and resume -----------------------------------------------------------

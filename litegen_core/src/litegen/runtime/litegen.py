@@ -136,6 +136,11 @@ class LiteGen(CheckpointAPI):
             if kind == "optimizer":
                 owner = owners[i]
                 entry = prepared[owner]
+                names = fqns[owner]
+                groups = objects[i].param_groups
+                entry.param_names.append(
+                    [[names.get(id(p), "?") for p in g["params"]] for g in groups]
+                )
                 results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
                 if lab is not None:
                     lab.configure_optimizer(results[i])
