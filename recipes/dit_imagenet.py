@@ -36,7 +36,7 @@ from litegen.utils.encode import vae_encode
 ENCODING_VERSION = 1
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".JPEG"}
 
-# facebook/DiT-XL-2-256's transformer (675M parameters); a tiny one of the same class.
+# facebook/DiT-XL-2-256's transformer (750M parameters in diffusers' layout); a tiny one.
 MODELS: dict[str, dict[str, Any]] = {
     "xl": {
         "num_attention_heads": 16,

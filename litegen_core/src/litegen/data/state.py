@@ -29,7 +29,7 @@ def _is_stateful_loader(loader: Any) -> bool:
 def data_state(loader: Any, step: int) -> dict[str, Any] | None:
     """This rank's data position before optimizer step ``step``, or None when it has none."""
     if _is_stateful_loader(loader):
-        return {"loader": loader.state_dict()}
+        return {"loader": loader.state_dict(), "dp_size": getattr(loader.dataset, "dp_size", None)}
     sampler = loader.batch_sampler
     if callable(getattr(sampler, "state_at", None)):
         return {"sampler": sampler.state_at(step)}
@@ -43,7 +43,17 @@ def load_data_state(loader: Any, state: dict[str, Any] | None, step: int) -> Non
     """
     sampler = loader.batch_sampler
     if state is not None and "loader" in state and _is_stateful_loader(loader):
-        loader.load_state_dict(state["loader"])
+        ranks = getattr(loader.dataset, "dp_size", None)
+        if state.get("dp_size") == ranks:
+            loader.load_state_dict(state["loader"])
+        else:
+            # Each rank's stream position belongs to its share of the stream at that size.
+            log.warning(
+                "the run checkpoint's data streams were read by %s data-parallel ranks, this "
+                "run has %s: the streams start from their beginning.",
+                state.get("dp_size"),
+                ranks,
+            )
     elif state is not None and "sampler" in state and hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(state["sampler"])
     elif isinstance(sampler, GlobalBatchSampler | BucketBatchSampler):
