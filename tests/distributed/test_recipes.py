@@ -169,14 +169,14 @@ TINY = {
 }  # fmt: skip
 
 
-def train_gpu_recipes(root: str, image_overrides: list[str]) -> dict[str, list[float]]:
+def train_gpu_recipes(root: str, extras: dict[str, list[str]]) -> dict[str, list[float]]:
     """Each tiny recipe through run_entry, as `litegen launch`'s workers run it."""
     from litegen.trainer import run_entry
     from litegen_cli.recipe import load_recipe
 
     losses = {}
     for name, (recipe, overrides) in TINY.items():
-        extra = image_overrides if name == "dit_images" else []
+        extra = extras.get(name, [])
         recipe = load_recipe(
             RECIPES / recipe, [*CPU, *overrides, *extra, f"results_dir={root}/{name}"]
         )
@@ -214,21 +214,45 @@ def image_folder_and_vae(root: Path) -> list[str]:
 
 def test_gpu_recipes_run_tiny_on_the_cpu_and_export_diffusers_folders(tmp_path):
     """DiT-XL/2 and Wan 2.1 recipes at tiny sizes: synthetic bucketed latents, an image folder
-    encoded by `litegen cache build`, synthetic video; each exports a diffusers folder."""
+    encoded by `litegen cache build`, synthetic video; each exports a diffusers folder.
+
+    The synthetic DiT run is also the round trip of diffusers folders: it starts from a tiny
+    DiT saved with ``save_pretrained`` (``init_from``), trains sharded by fsdp2 on 2 ranks, and
+    its exported folder loads with ``from_pretrained`` holding exactly the EMA weights."""
     from diffusers import DiTTransformer2DModel, WanTransformer3DModel
 
     from litegen_cli.cache_build import build_recipe_cache
     from litegen_cli.recipe import load_recipe
 
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from dit_imagenet import MODELS
+    finally:
+        sys.path.remove(str(RECIPES))
+    torch.manual_seed(1)
+    source = DiTTransformer2DModel(**MODELS["tiny"])
+    source.save_pretrained(tmp_path / "source")
     images = image_folder_and_vae(tmp_path)
     recipe = load_recipe(RECIPES / "dit_imagenet.yaml", [*CPU, *TINY["dit_images"][1], *images])
     report = build_recipe_cache(recipe)
     assert (report.samples, report.misses) == (8, 8)
-    losses = run_ranks(train_gpu_recipes, 2, str(tmp_path), images)[0]
+    extras = {
+        "dit_synthetic": [
+            f"init_from={tmp_path / 'source'}",
+            "optimization.parallel.strategy=fsdp2",
+        ],
+        "dit_images": images,
+    }
+    losses = run_ranks(train_gpu_recipes, 2, str(tmp_path), extras)[0]
     assert all(len(v) == 2 for v in losses.values()), losses
-    for name, cls in (("dit_synthetic", DiTTransformer2DModel), ("wan", WanTransformer3DModel)):
-        exported = cls.from_pretrained(tmp_path / name / "diffusers")
-        assert exported.config.num_layers == 2
-    ema = torch.load(tmp_path / "dit_images" / "dit_imagenet.ema.pth", weights_only=True)
-    exported = DiTTransformer2DModel.from_pretrained(tmp_path / "dit_images" / "diffusers")
-    assert all(torch.equal(t, ema[k]) for k, t in exported.state_dict().items())
+    for name, cls in (("dit_synthetic", DiTTransformer2DModel), ("dit_images", DiTTransformer2DModel),
+                      ("wan", WanTransformer3DModel)):  # fmt: skip
+        results = tmp_path / name
+        exported = cls.from_pretrained(results / "diffusers")
+        ema = torch.load(next(results.glob("*.ema.pth")), weights_only=True)
+        assert exported.state_dict().keys() == ema.keys()
+        assert all(torch.equal(t, ema[k]) for k, t in exported.state_dict().items()), name
+    # init_from took the source's weights: 4 AdamW steps of lr 1e-4 moved them only a little.
+    trained = torch.load(tmp_path / "dit_synthetic" / "dit_imagenet.pth", weights_only=True)
+    moved = max((trained[k] - v).abs().max().item() for k, v in source.state_dict().items())
+    assert 0 < moved < 2e-3

@@ -1,7 +1,7 @@
 """Checkpoints from elsewhere: plain PyTorch state dicts and diffusers folders, in one process.
 
-The two-rank round trip (diffusers folder -> training -> diffusers folder) is in
-tests/distributed/test_checkpoint_interop.py.
+The two-rank round trip (diffusers folder -> fsdp2 training -> diffusers folder) is the
+synthetic DiT run of tests/distributed/test_recipes.py.
 """
 
 from __future__ import annotations
