@@ -2,7 +2,8 @@
 
 Five launches (about 30 s each on 2 cores): the autoencoder, the latent DiT twice (the first
 run fills the latent cache, the second only reads it), the pixel-space digits DiT and the LoRA
-fine-tune of a diffusers transformer.
+fine-tune of a diffusers transformer. The GPU recipes (DiT-XL/2, Wan 2.1) run tiny in one group
+of 2 forked ranks, without a launch.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from litegen_cli.app import app
+from tests.distributed.harness import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +141,118 @@ def test_latent_dit_without_autoencoder_says_what_to_run(tmp_path):
         ValueError, match=re.escape("litegen launch recipes/digits_autoencoder.yaml")
     ):
         DigitsAutoencoder.from_checkpoint(tmp_path / "missing.pth")
+
+
+# -- the GPU recipes, tiny, on the CPU ---------------------------------------------------------
+# What turns a GPU recipe into a CPU smoke run: no bf16 preset, compile or fused AdamW.
+CPU = [
+    "runtime.device=cpu",
+    "optimization.precision.preset=null",
+    "optimization.compile.enabled=false",
+    "optimization.optimizer.backend=foreach",
+    "num_workers=0",
+    "pin_memory=false",
+    "trainer.checkpoint_every=0",
+    "trainer.log_every=2",
+    "max_steps=4",
+    "global_batch_size=4",
+]
+TINY = {
+    # Two latent sizes: a batch that mixed them would not even stack.
+    "dit_synthetic": ("dit_imagenet.yaml", ["model.size=tiny", "data.latent_sizes=[4,8]",
+                                            "data.synthetic_samples=32"]),
+    "dit_images": ("dit_imagenet.yaml", ["model.size=tiny", "data.resolution=16"]),
+    "wan": ("wan_video.yaml", ["model.size=tiny", "data.frames=2", "data.height=4",
+                               "data.width=4", "data.text_tokens=6", "data.prompts=4",
+                               "data.synthetic_samples=16",
+                               "optimization.memory.activation_checkpoint.selective_ratio=0.5"]),
+}  # fmt: skip
+
+
+def train_gpu_recipes(root: str, extras: dict[str, list[str]]) -> dict[str, list[float]]:
+    """Each tiny recipe through run_entry, as `litegen launch`'s workers run it."""
+    from litegen.trainer import run_entry
+    from litegen_cli.recipe import load_recipe
+
+    losses = {}
+    for name, (recipe, overrides) in TINY.items():
+        extra = extras.get(name, [])
+        recipe = load_recipe(
+            RECIPES / recipe, [*CPU, *overrides, *extra, f"results_dir={root}/{name}"]
+        )
+        losses[name] = run_entry(recipe.config, recipe.launch.entry, recipe.base_dir)
+    return losses
+
+
+def image_folder_and_vae(root: Path) -> list[str]:
+    """Two classes of small random images and a tiny diffusers VAE (factor 2, 4 channels)."""
+    import numpy as np
+    from diffusers import AutoencoderKL
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in ("cat", "dog"):
+        (root / "images" / label).mkdir(parents=True)
+        for i in range(4):
+            pixels = rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / "images" / label / f"{i}.png")
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    vae.save_pretrained(root / "vae")
+    return [
+        f"data.image_folder={root / 'images'}",
+        f"vae.path={root / 'vae'}",
+        f"latent_cache.root={root / 'cache'}",
+    ]
+
+
+def test_gpu_recipes_run_tiny_on_the_cpu_and_export_diffusers_folders(tmp_path):
+    """DiT-XL/2 and Wan 2.1 recipes at tiny sizes: synthetic bucketed latents, an image folder
+    encoded by `litegen cache build`, synthetic video; each exports a diffusers folder.
+
+    The synthetic DiT run is also the round trip of diffusers folders: it starts from a tiny
+    DiT saved with ``save_pretrained`` (``init_from``), trains sharded by fsdp2 on 2 ranks, and
+    its exported folder loads with ``from_pretrained`` holding exactly the EMA weights."""
+    from diffusers import DiTTransformer2DModel, WanTransformer3DModel
+
+    from litegen_cli.cache_build import build_recipe_cache
+    from litegen_cli.recipe import load_recipe
+
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from dit_imagenet import MODELS
+    finally:
+        sys.path.remove(str(RECIPES))
+    torch.manual_seed(1)
+    source = DiTTransformer2DModel(**MODELS["tiny"])
+    source.save_pretrained(tmp_path / "source")
+    images = image_folder_and_vae(tmp_path)
+    recipe = load_recipe(RECIPES / "dit_imagenet.yaml", [*CPU, *TINY["dit_images"][1], *images])
+    report = build_recipe_cache(recipe)
+    assert (report.samples, report.misses) == (8, 8)
+    extras = {
+        "dit_synthetic": [
+            f"init_from={tmp_path / 'source'}",
+            "optimization.parallel.strategy=fsdp2",
+        ],
+        "dit_images": images,
+    }
+    losses = run_ranks(train_gpu_recipes, 2, str(tmp_path), extras)[0]
+    assert all(len(v) == 2 for v in losses.values()), losses
+    for name, cls in (("dit_synthetic", DiTTransformer2DModel), ("dit_images", DiTTransformer2DModel),
+                      ("wan", WanTransformer3DModel)):  # fmt: skip
+        results = tmp_path / name
+        exported = cls.from_pretrained(results / "diffusers")
+        ema = torch.load(next(results.glob("*.ema.pth")), weights_only=True)
+        assert exported.state_dict().keys() == ema.keys()
+        assert all(torch.equal(t, ema[k]) for k, t in exported.state_dict().items()), name
+    # init_from took the source's weights: 4 AdamW steps of lr 1e-4 moved them only a little.
+    trained = torch.load(tmp_path / "dit_synthetic" / "dit_imagenet.pth", weights_only=True)
+    moved = max((trained[k] - v).abs().max().item() for k, v in source.state_dict().items())
+    assert 0 < moved < 2e-3

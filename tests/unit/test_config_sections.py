@@ -100,6 +100,8 @@ def test_defaults_of_every_field() -> None:
             "log_every": 10,
             "checkpoint_every": 0,
             "save_final": True,
+            "export_diffusers": False,
+            "export_ema": True,
             "keep_last": None,
             "async_checkpoint": False,
             "resume_run": None,

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
 from litegen.config import MainConfig
-from litegen.data import to_device
+from litegen.data import data_state, load_data_state, to_device
 from litegen.entry import load_entry
 from litegen.flops import StepThroughput
 from litegen.loss_guard import LossGuard
@@ -253,6 +253,8 @@ class Trainer:
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
+        if cfg.export_diffusers:
+            self.gen.save_diffusers(ema=cfg.export_ema and self.gen.ema is not None)
         return losses
 
     def _queue_record(self, pending: Readback, result: StepResult) -> None:
@@ -329,11 +331,8 @@ class Trainer:
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(scheduler_state)
         self.step = int(state["step"])
-        sampler = self.loader.batch_sampler
-        if hasattr(sampler, "load_state_dict"):
-            sampler.load_state_dict({"start_step": self.step})
-        else:
-            log.warning("the loader's batch sampler cannot resume; the data order restarts.")
+        # The data position (litegen/data/state.py); older checkpoints hold none.
+        load_data_state(self.loader, state.get("data"), self.step)
         self._restore_after_iter = state
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -345,6 +344,7 @@ class Trainer:
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
             "rng": capture_rng(self.gen.device),
             "loader_generator": generator.get_state() if generator is not None else None,
+            "data": data_state(self.loader, self.step),
         }
 
     def _restore_rng(self, state: dict[str, Any]) -> None:

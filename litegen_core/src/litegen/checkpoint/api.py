@@ -22,10 +22,15 @@ from torch import nn
 from litegen.checkpoint.files import (
     check_model_state,
     checkpoint_path,
-    load_state,
-    optimizer_path_for,
     replace_dir,
     save_state,
+)
+from litegen.checkpoint.interop import (
+    is_plain_optimizer_state,
+    load_model_source,
+    named_optimizer_state,
+    optimizer_file_for,
+    write_diffusers_folder,
 )
 from litegen.checkpoint.run_state import Trainable
 from litegen.ema import persistent_buffers
@@ -227,10 +232,12 @@ class CheckpointAPI:
         return self.full_ema_state() if self.ema is not None else self.full_model_state(model)
 
     def load(self, model: nn.Module, path: str | Path) -> None:
-        """Load full model weights (.pth or .safetensors) into a prepared model; a model with
-        LoRA adapters also takes an adapter file written by :meth:`save_model`."""
+        """Load full model weights into a prepared model: a file (.pth, .pt, .bin, .safetensors;
+        LiteGen's or a plain ``torch.save(model.state_dict())``) or a diffusers
+        ``save_pretrained`` folder. A model with LoRA adapters also takes an adapter file
+        written by :meth:`save_model`."""
         entry = self._entry(model)
-        state = load_state(path, what="model")
+        state = load_model_source(path, what="model")
         if has_adapters(entry.module) and is_adapter_file(state):
             module = entry.strategy.unwrap(entry.module)
             adapters = model_keyed(module, state, self.lora_prefix, path)
@@ -242,13 +249,13 @@ class CheckpointAPI:
         entry.strategy.load_full_model_state(entry.module, state)
 
     def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:
-        state = load_state(path, what=what)
+        state = load_model_source(path, what=what)
         check_model_state(model.state_dict(), state, path)
         model.load_state_dict(state)
 
     def _load_ema(self, entry: PreparedModel, path: str) -> None:
         """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
-        state = load_state(path, what="ema.resume_from")
+        state = load_model_source(path, what="ema.resume_from")
         model = entry.strategy.unwrap(entry.module)
         if has_adapters(model) and is_adapter_file(state):
             self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
@@ -277,9 +284,56 @@ class CheckpointAPI:
         return found
 
     def _resume(self, model_path: str) -> None:
+        """``resume_from``: the model's weights, then its optimizer's state found beside them
+        (LiteGen's files, plain PyTorch state dicts or a diffusers folder: checkpoint/interop.py)."""
+        from litegen.checkpoint.zero_state import load_optimizer_state
+
         entry = self._entry()
         self.load(entry.module, model_path)
-        if entry.optimizers:
-            entry.strategy.load_optimizer_file(
-                entry.optimizers[0], entry.module, optimizer_path_for(model_path)
+        if not entry.optimizers:
+            return
+        path = optimizer_file_for(model_path)
+        state = load_optimizer_state(path)
+        if is_plain_optimizer_state(state):
+            shapes = entry.strategy.dcp_state(entry.module)["model"]
+            state = named_optimizer_state(state, entry.param_names[0], shapes, path)
+        entry.strategy.load_full_optimizer_state(entry.optimizers[0], entry.module, state)
+
+    def save_diffusers(
+        self,
+        output_folder: str | Path | None = None,
+        ema: bool | None = None,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """Write the trained model as a diffusers folder that ``from_pretrained`` loads.
+
+        The full weights are gathered from every rank (so call it on every rank), the EMA's
+        when ``ema`` (default: when ``ema.enable``), and rank 0 writes them through the model's
+        own ``save_pretrained`` (a model without one gets safetensors and its config) into
+        ``output_folder``, by default ``<results_dir>/diffusers``; the folder is written under a
+        temporary name and renamed into place.
+
+        Example:
+            >>> gen.save_diffusers()  # then DiTTransformer2DModel.from_pretrained(folder)
+        """
+        entry = self._entry(model)
+        if has_adapters(entry.module):
+            raise ValueError(
+                "save_diffusers writes whole models; a LoRA model's adapter files "
+                "(save_model, save_ema) are already in diffusers' layout (load_lora_weights)."
             )
+        use_ema = self.ema is not None if ema is None else ema
+        if use_ema and (self.ema is None or model not in (None, self._entry().module)):
+            raise ValueError(
+                "save_diffusers(ema=True) needs ema.enable: true and the first trainable model; "
+                "pass ema=False to export the model's own weights."
+            )
+        state = self.full_ema_state() if use_ema else self.full_model_state(model)
+        folder = Path(output_folder or Path(self.config.get_results_dir()) / "diffusers")
+        if self.is_main_process:
+            partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
+            write_diffusers_folder(entry.strategy.unwrap(entry.module), state, partial)
+            replace_dir(partial, folder)
+            log.info("saved %s (%s weights)", folder, "EMA" if use_ema else "model")
+        dist.barrier()
+        return folder

@@ -55,9 +55,11 @@ def checkpoint_path(
 
 def optimizer_path_for(model_path: str | Path) -> Path:
     """The optimizer file saved beside a model file: ``model_10.pth`` -> ``model_10.optim_state.pth``
-    (``model_10.lora.safetensors`` too)."""
+    (``model_10.lora.safetensors``, ``.pt`` and ``.bin`` too)."""
     path = Path(model_path)
-    stem = path.name.removesuffix(".safetensors").removesuffix(".pth").removesuffix(".lora")
+    stem = path.name
+    for suffix in (".safetensors", ".pth", ".pt", ".bin", ".lora"):
+        stem = stem.removesuffix(suffix)
     return path.with_name(stem + _SUFFIX["optimizer"])
 
 

@@ -121,6 +121,15 @@ class MainConfig(Config):
             warnings.warn(line, IgnoredOptionWarning, stacklevel=2)
         return self
 
+    @model_validator(mode="after")
+    def _export_whole_models(self) -> MainConfig:
+        if self.trainer.export_diffusers and self.optimization.lora is not None:
+            raise ValueError(
+                "trainer.export_diffusers writes whole models, and optimization.lora trains "
+                "adapters, whose files are already in diffusers' layout; turn one off"
+            )
+        return self
+
     # ------------------------------------------------------------------ constructors
 
     @classmethod

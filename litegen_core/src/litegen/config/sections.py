@@ -402,6 +402,10 @@ class TrainerConfig(Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="0: no periodic checkpoint")
     save_final: bool = True
+    export_diffusers: bool = Field(
+        False, description="at the end, write <results_dir>/diffusers/ for from_pretrained"
+    )
+    export_ema: bool = Field(True, description="export_diffusers: the EMA weights when ema.enable")
     keep_last: int | None = Field(None, ge=1, description="None: keep every checkpoint")
     async_checkpoint: bool = Field(
         False, description="write run checkpoints in the background (dcp.async_save)"

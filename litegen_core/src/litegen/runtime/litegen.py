@@ -19,7 +19,7 @@ from torch import nn
 
 from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
-from litegen.data import build_dataloader
+from litegen.data import prepare_data
 from litegen.ema import EMA
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import apply_memory_optimizations
@@ -89,7 +89,9 @@ class LiteGen(CheckpointAPI):
         """Hand native PyTorch objects to the runtime; get them back prepared, in order.
 
         Models, optimizers, datasets and DataLoaders are accepted; a dataset becomes a
-        DataLoader over the global-batch sampler. One argument returns one object.
+        DataLoader over the global-batch sampler, a DataLoader keeps its own sampler (split
+        between the ranks), an iterable dataset streams (docs/data.md). One argument returns
+        one object.
 
         Example:
             >>> model, optimizer, vae, loader = gen.prepare(model, optimizer, vae, dataset)
@@ -134,6 +136,11 @@ class LiteGen(CheckpointAPI):
             if kind == "optimizer":
                 owner = owners[i]
                 entry = prepared[owner]
+                names = fqns[owner]
+                groups = objects[i].param_groups
+                entry.param_names.append(
+                    [[names.get(id(p), "?") for p in g["params"]] for g in groups]
+                )
                 results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
                 if lab is not None:
                     lab.configure_optimizer(results[i])
@@ -262,16 +269,9 @@ class LiteGen(CheckpointAPI):
         return contexts
 
     def _prepare_data(self, data: Any) -> Any:
-        collate_fn = None
-        if isinstance(data, torch.utils.data.DataLoader):
-            # Re-shard a user's loader over our sampler, keeping how it builds batches.
-            collate_fn, data = data.collate_fn, data.dataset
-        return build_dataloader(
-            data,
-            config=self.config,
-            dp_rank=self.plan.dp_rank,
-            dp_size=self.plan.dp_size,
-            collate_fn=collate_fn,
+        """A dataset or DataLoader becomes the job's loader (litegen/data/loader.py's table)."""
+        return prepare_data(
+            data, config=self.config, dp_rank=self.plan.dp_rank, dp_size=self.plan.dp_size
         )
 
     # -- lookups ------------------------------------------------------------------------------

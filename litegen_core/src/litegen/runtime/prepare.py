@@ -25,6 +25,9 @@ class PreparedModel:
     strategy: Strategy
     trainable: bool
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    # Per optimizer, its param groups' parameter names in the user's order (before wrapping):
+    # what the numbers of a plain optimizer.state_dict() refer to (checkpoint/interop.py).
+    param_names: list[list[list[str]]] = field(default_factory=list)
     # An unwrapped copy for strategies whose EMA is a wrapped copy (fsdp1); dropped once used.
     ema_template: nn.Module | None = None
     # What activation checkpointing and offload did (litegen.memory.MemoryReport).

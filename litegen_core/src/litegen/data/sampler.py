@@ -1,4 +1,4 @@
-"""Datasets become DataLoaders over a resumable, global-batch sampler.
+"""The resumable global-batch sampler that ``prepare`` puts under a dataset.
 
 The sampler walks one global sequence of sample positions: epoch ``e`` is a permutation of the
 dataset seeded by ``(global_seed, e)``, and optimizer step ``s`` consumes positions
@@ -11,11 +11,10 @@ means the same thing at any world size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import Sampler
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -95,77 +94,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def state_dict(self) -> dict[str, int]:
         return {"start_step": self.start_step}
 
+    def state_at(self, step: int) -> dict[str, int]:
+        """The state that resumes before optimizer step ``step``: the step is the cursor."""
+        return {"start_step": step}
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.start_step = int(state["start_step"])
-
-
-def pair_collate(samples: Sequence[Any]) -> Any:
-    """Collate ``(data, caption)`` pairs: data stacked, captions stacked or listed."""
-    first = samples[0]
-    if not (isinstance(first, tuple | list) and len(first) == 2):
-        raise ValueError(
-            f"dataset samples must be (data, caption) pairs, got {type(first).__name__}"
-            f"{f' of length {len(first)}' if isinstance(first, tuple | list) else ''}; "
-            "return pairs from __getitem__ or define a collate_fn on the dataset."
-        )
-    return default_collate(samples)
-
-
-def build_dataloader(
-    dataset: Dataset,
-    *,
-    config: Any,
-    dp_rank: int,
-    dp_size: int,
-    collate_fn: Any = None,
-    shuffle: bool = True,
-) -> DataLoader:
-    """Wrap a map-style dataset in a DataLoader over :class:`GlobalBatchSampler`."""
-    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        raise ValueError(
-            f"prepare needs a map-style dataset (with __len__ and __getitem__), got "
-            f"{type(dataset).__name__}; pass a DataLoader of your own for iterable datasets."
-        )
-    sampler = GlobalBatchSampler(
-        len(dataset),
-        global_batch_size=config.global_batch_size,
-        max_steps=config.max_steps,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        grad_accum_steps=config.trainer.grad_accum_steps,
-        seed=config.global_seed,
-        shuffle=shuffle,
-    )
-    return DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate_fn or getattr(dataset, "collate_fn", None) or pair_collate,
-        num_workers=config.num_workers,
-        pin_memory=config.pin_memory,
-    )
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a batch (nested tuples, lists and dicts) to ``device``.
-
-    Copies to a GPU never make the host wait: host tensors are pinned first (unless the loader
-    pinned them, ``pin_memory: true``), so the copy runs behind the queued kernels while the
-    host goes on queuing the step. A copy from pageable memory would wait for the GPU to finish
-    all of its queued work.
-
-    Example:
-        >>> images, captions = to_device((images, captions), torch.device("cuda"))
-    """
-    if isinstance(batch, torch.Tensor):
-        if batch.device == device:
-            return batch
-        if batch.device.type == "cpu" and device.type == "cuda":
-            pinned = batch if batch.is_pinned() else batch.pin_memory()
-            return pinned.to(device, non_blocking=True)
-        return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple | list):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch

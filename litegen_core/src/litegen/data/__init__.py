@@ -1,0 +1,37 @@
+"""Data loading for training: samplers that resume exactly, the DataLoader ``prepare`` builds.
+
+- :class:`GlobalBatchSampler` (``sampler.py``): a dataset's global batches, sliced per rank and
+  micro-step; the cursor is the optimizer step, the same at any world size.
+- :class:`BucketBatchSampler` (``buckets.py``): the same for samples grouped by shape, one
+  bucket per global batch (variable resolution and duration).
+- :class:`RankBatchSampler` (``user_sampler.py``): a user's own sampler or batch sampler, kept
+  and split between the ranks; exact resume through its ``state_dict``.
+- :class:`RankStream`, :func:`worker_share` (``stream.py``): iterable and streaming datasets.
+- :func:`prepare_data`, :func:`build_dataloader` (``loader.py``): which of these ``prepare``
+  uses for what it is given; :func:`data_state` / :func:`load_data_state` (``state.py``): the
+  position a run checkpoint saves; :func:`to_device` (``device.py``).
+
+torchdata (``pip install 'litegen-core[data]'``) is imported only for iterable datasets.
+"""
+
+from litegen.data.buckets import BucketBatchSampler
+from litegen.data.device import to_device
+from litegen.data.loader import build_dataloader, pair_collate, prepare_data
+from litegen.data.sampler import GlobalBatchSampler
+from litegen.data.state import data_state, load_data_state
+from litegen.data.stream import RankStream, worker_share
+from litegen.data.user_sampler import RankBatchSampler
+
+__all__ = [
+    "BucketBatchSampler",
+    "GlobalBatchSampler",
+    "RankBatchSampler",
+    "RankStream",
+    "build_dataloader",
+    "data_state",
+    "load_data_state",
+    "pair_collate",
+    "prepare_data",
+    "to_device",
+    "worker_share",
+]
