@@ -93,7 +93,7 @@ def train(config: Any, module: Any) -> list[dict[str, Any]]:
     """The loop; returns one record per step."""
     device = torch.device(config.runtime.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)
     torch.manual_seed(config.global_seed)
     parts = module.build(config)
     model, optimizer, dataset = parts["model"], parts["optimizer"], parts["dataset"]
