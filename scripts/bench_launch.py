@@ -2,7 +2,8 @@
 
 For each model of ``real_models.py`` and each variant (eager; compiled: each transformer block's
 ``forward`` compiled in place on both sides; tuned: compiled, with LiteGen's recommended
-settings, :data:`TUNED`, on the launch side only), a recipe with ``real_model_entry.py`` is written to
+settings, :data:`TUNED`, on the launch side only; ``tuned-<x>``: the same without one of them,
+with ``--launch-only`` an ablation), a recipe with ``real_model_entry.py`` is written to
 the work folder and run by ``launch_vs_hand.py``: ``litegen launch`` (1 rank) and
 ``hand_loop.py`` (a DataLoader over the same dataset, bf16 autocast, the same fused AdamW), each
 in its own process, alternating, ``--repeats`` times. A side's samples/s is the median of its
@@ -58,6 +59,18 @@ TUNED = [
     "optimization.experimental.fused_gelu_mlp=true",
     "optimization.experimental.master_adamw=true",
 ]
+# Launch-side settings of each variant; "tuned-<x>" variants leave one setting of TUNED out, so a
+# run of them attributes the tuned gain (or cost) to each setting on a given model.
+PRESET, ROWS, GELU, ADAMW = TUNED
+VARIANTS: dict[str, list[str]] = {
+    "eager": [],
+    "compiled": [],
+    "tuned": TUNED,
+    "preset": [PRESET],
+    "tuned-rows": [PRESET, GELU, ADAMW],
+    "tuned-gelu": [PRESET, ROWS, ADAMW],
+    "tuned-adamw": [PRESET, ROWS, GELU],
+}
 
 
 def write_recipe(folder: Path, model: str, variant: str, args: argparse.Namespace) -> Path:
@@ -108,8 +121,9 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 rounds=args.repeats,
                 side_overrides={
                     "hand": [f"trainer.log_every={args.hand_log_every}"],
-                    "launch": TUNED if variant == "tuned" else [],
+                    "launch": VARIANTS[variant],
                 },
+                sides=("launch",) if args.launch_only else ("hand", "launch"),
             )
             row: dict[str, Any] = {"model": model, "variant": variant}
             for side, result in results.items():
@@ -120,7 +134,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 profiles = [s["profile"] for s in result.summaries if s.get("profile")]
                 if profiles:
                     row[f"{side}_profile"] = profiles[-1]
-            row["ratio"] = row["launch"] / row["hand"]
+            row["ratio"] = row["launch"] / row["hand"] if "hand" in row else None
             rows.append(row)
             print_row(row, header=len(rows) == 1)
     return rows
@@ -130,15 +144,20 @@ def _gib(value: float | None) -> str:
     return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
 
+def _num(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
 def print_row(row: dict[str, Any], header: bool) -> None:
     if header:
         print(
-            f"{'model':<10} {'variant':<9} {'hand/s':>10} {'launch/s':>10} {'ratio':>7} "
+            f"{'model':<10} {'variant':<11} {'hand/s':>10} {'launch/s':>10} {'ratio':>7} "
             f"{'hand GiB':>8} {'launch GiB':>10}"
         )
     print(
-        f"{row['model']:<10} {row['variant']:<9} {row['hand']:10.2f} {row['launch']:10.2f} "
-        f"{row['ratio']:7.3f} {_gib(row['hand_peak_gib'])} {_gib(row['launch_peak_gib']):>10}",
+        f"{row['model']:<10} {row['variant']:<11} {_num(row.get('hand'), 10, 2)} "
+        f"{row['launch']:10.2f} {_num(row['ratio'], 7, 3)} {_gib(row.get('hand_peak_gib'))} "
+        f"{_gib(row['launch_peak_gib']):>10}",
         flush=True,
     )
     for side in ("hand", "launch"):
@@ -149,7 +168,8 @@ def print_row(row: dict[str, Any], header: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="dit,pixart,wan,cogvideox")
-    parser.add_argument("--variants", default="eager,compiled", help="eager, compiled, tuned")
+    parser.add_argument("--variants", default="eager,compiled", help=", ".join(VARIANTS))
+    parser.add_argument("--launch-only", action="store_true", help="no hand side (ablations)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny configs, 3 steps, eager")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating")
@@ -162,6 +182,9 @@ def main() -> None:
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
+    unknown_variants = sorted(set(args.variants) - set(VARIANTS))
+    if unknown_variants:
+        parser.error(f"unknown variants {unknown_variants}; choose from {list(VARIANTS)}")
     unknown = sorted(set(args.models) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(WORKLOADS)}")
@@ -171,8 +194,9 @@ def main() -> None:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         rows = run(args, work)
-    medians = statistics.median(r["ratio"] for r in rows)
-    print(f"median launch / hand: {medians:.3f}")
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    if ratios:
+        print(f"median launch / hand: {statistics.median(ratios):.3f}")
     if args.out is not None:
         import diffusers
         import torch

@@ -329,7 +329,9 @@ class Runner:
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
         if lines:
             return json.loads(lines[-1][len(RESULT) :])
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        output = (proc.stderr or proc.stdout).strip().splitlines()
+        errors = [line for line in output if "Error" in line or "error:" in line]
+        tail = errors[-2:] + output[-3:]  # the exception's own line, then where it ended
         print("   child failed:", *tail, sep="\n     ")
         return {"variant": variant, "frames": frames, "fits": False, "reason": " | ".join(tail)}
 

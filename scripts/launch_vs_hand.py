@@ -106,14 +106,16 @@ def compare(
     overrides: list[str] = (),
     side_overrides: dict[str, list[str]] | None = None,
     env: dict[str, str] | None = None,
+    sides: tuple[str, ...] = SIDES,
 ) -> dict[str, SideResult]:
     """Alternate the sides ``rounds`` times, each round in its own folder under ``work``.
 
-    ``overrides`` apply to both sides, ``side_overrides[side]`` to one (say, its log cadence).
+    ``overrides`` apply to both sides, ``side_overrides[side]`` to one (say, its log cadence);
+    ``sides`` may leave one out (an ablation of launch settings, say).
     """
-    results = {side: SideResult() for side in SIDES}
+    results = {side: SideResult() for side in sides}
     for round_ in range(rounds):
-        order = SIDES if round_ % 2 == 0 else SIDES[::-1]
+        order = sides if round_ % 2 == 0 else sides[::-1]
         for side in order:
             folder = work / f"{side}_{round_}"
             extra = (side_overrides or {}).get(side, [])

@@ -17,6 +17,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from litegen.compile import compile_blocks
 from litegen.memory import ActivationOffloader, apply_memory_optimizations, checkpoint_modules
+from litegen.memory.offload import _dense_strides
 from litegen.utils.config import CompileConfig, MemoryConfig
 from tests.unit.memory_nets import (
     BATCH,
@@ -83,19 +84,25 @@ def saved_by_blocks(depth: int, blocks: int) -> list[torch.Tensor]:
     return saved
 
 
-def test_plain_blocks_offload_everything_they_save_but_parameters():
+def stays(t: torch.Tensor) -> bool:
+    """Parameters, and views with gaps (q, k, v sliced out of one qkv projection)."""
+    return is_parameter(t) or not _dense_strides(t)
+
+
+def test_plain_blocks_offload_everything_they_save_but_parameters_and_gapped_views():
     model, report = offloaded_net(MemoryConfig(activation_offload=True))
     assert report.checkpointed == [] and len(report.offloaded) == 3
     assert_exact(loss_and_grads(model, batch()), loss_and_grads(make_net(), batch()))
 
     saved = saved_by_blocks(4, 3)
-    parameters = [t for t in saved if is_parameter(t)]
-    activations = {id(t): t for t in saved if not is_parameter(t)}
-    assert parameters and activations  # Linear saves weight.t(), a view of its parameter
+    kept = [t for t in saved if stays(t)]
+    activations = {id(t): t for t in saved if not stays(t)}
+    assert any(map(is_parameter, kept)) and activations  # Linear saves weight.t()
+    assert not all(map(is_parameter, kept))  # attention saves q, k, v: views with gaps
     stats = report.offloader.stats
-    assert stats.tensors_kept == len(parameters)
+    assert stats.tensors_kept == len(kept)
     assert stats.tensors_offloaded == len(activations)
-    assert stats.tensors_shared == len(saved) - len(parameters) - len(activations)
+    assert stats.tensors_shared == len(saved) - len(kept) - len(activations)
     assert stats.bytes_offloaded == sum(t.numel() * t.element_size() for t in activations.values())
     assert came_back(stats) == stats.tensors_offloaded
 
@@ -106,7 +113,7 @@ def test_only_the_last_blocks_in_flight_are_still_on_the_device(in_flight, reuse
         MemoryConfig(activation_offload=True), depth=6, blocks_in_flight=in_flight
     )
     loss_and_grads(model, batch())
-    per_block = sum(not is_parameter(t) for t in saved_by_blocks(6, 1))  # none shared
+    per_block = sum(not stays(t) for t in saved_by_blocks(6, 1))  # none shared
     stats = report.offloader.stats
     assert stats.tensors_shared == 0 and stats.tensors_offloaded == 5 * per_block
     assert stats.tensors_reused_on_device == len(reused_blocks) * per_block

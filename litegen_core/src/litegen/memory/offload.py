@@ -195,10 +195,13 @@ class ActivationOffloader:
         if t.device.type not in ("cuda", "cpu") or storage == 0:
             return True
         nbytes = t.numel() * t.element_size()
-        # Expanded (overlapping) views would move more bytes than they hold.
-        return t.numel() == 0 or nbytes < self.min_bytes or nbytes > storage
+        # Views with gaps or overlap stay: a copy has other strides than the tensor saved, and
+        # compiled backward graphs check the strides of what they saved.
+        return nbytes < self.min_bytes or not _dense_strides(t)
 
     def _pack(self, t: torch.Tensor, group: _Group) -> Any:
+        if t.numel() == 0:  # holds no memory; some torch versions' checkpoint saves such markers
+            return t
         nbytes = t.numel() * t.element_size()
         if self._keep(t):
             self.stats.tensors_kept += 1
@@ -220,10 +223,7 @@ class ActivationOffloader:
             self.stats.bytes_kept += nbytes
             return t
         host_options = {"dtype": t.dtype, "device": "cpu", "pin_memory": t.is_cuda}
-        if _dense_strides(t):  # the same layout, so the copy back is the tensor saved
-            host = torch.empty_strided(t.shape, t.stride(), **host_options)
-        else:  # views with gaps or overlap come back contiguous, as with save_on_cpu
-            host = torch.empty(t.shape, **host_options)
+        host = torch.empty_strided(t.shape, t.stride(), **host_options)  # the same layout
         saved = _Saved(host, group)
         if t.is_cuda:
             d2h, _ = self._side_streams(t.device)
