@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import litegen
 from litegen import flops
 from litegen.compile import compile_blocks
 from litegen.flops import FlopCounter, StepThroughput, mfu, peak_flops, throughput
+from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
-from litegen.utils.config import CompileConfig, MainConfig
+from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
 
 
 def test_counter_sees_forward_and_backward_matmuls():
@@ -26,20 +30,143 @@ def test_counter_sees_forward_and_backward_matmuls():
     assert counter.flops == 3 * forward  # backward: one matmul for dx, one for dW
 
 
-def test_counter_counts_compiled_blocks_eagerly():
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)))
+class Block(nn.Module):
+    """Attention, a dropout MLP and a conditioning keyword: the ops a DiT block counts."""
 
-    def count(model):
-        with FlopCounter() as counter:
-            model(torch.randn(4, 8)).sum().backward()
-        return counter.flops
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.5), nn.Linear(2 * width, width)
+        )
 
-    compiled = make()
-    assert compile_blocks(compiled, CompileConfig(enabled=True), backend="eager") == ["0", "1", "2"]
+    def forward(self, x: torch.Tensor, *, cond: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm(x) + cond).view(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        return x + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 2, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(width, width), nn.SiLU())  # stays eager
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cond = self.embed(x.mean(1, keepdim=True))
+        for block in self.blocks:
+            x = block(x, cond=cond)
+        return x.square().mean()
+
+
+def make_net(checkpoint: str | None = None, compiled: str | None = None) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    if checkpoint is not None:
+        memory = {
+            "activation_checkpoint": {
+                "enabled": True,
+                "selective_ratio": 0.0,
+                "inside_compile": checkpoint == "inside",
+            }
+        }
+        apply_memory_optimizations(net, MemoryConfig.model_validate(memory))
+    if compiled is not None:
+        assert compile_blocks(net, CompileConfig(enabled=True), backend=compiled) == [
+            "blocks.0",
+            "blocks.1",
+        ]
+    return net
+
+
+def train_step(net: Net, count: bool, saved: list[int] | None = None):
+    """One step's loss, gradients, FLOP count (when counting) and the RNG state after it."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 8, 16)
+    record = saved.append if saved is not None else lambda _: None
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        record(t.numel() * t.element_size())
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, FlopCounter() if count else nullcontext() as counter:
+        loss = net(x)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    return loss.detach(), grads, counter and counter.flops, torch.get_rng_state()
+
+
+@pytest.fixture
+def fresh_dynamo():
     torch._dynamo.reset()
-    assert count(compiled) == count(make()) > 0
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("checkpoint", [None, "inside", "outside"])
+def test_compiled_blocks_count_as_eager_while_running_compiled(checkpoint, fresh_dynamo):
+    # Checkpointing outside the compiled block recomputes its whole forward (one compiled call);
+    # eager checkpointing stops recomputing after the last saved tensor unless told not to.
+    early_stop = set_checkpoint_early_stop(checkpoint != "outside")
+    with early_stop:
+        _, _, eager_flops, _ = train_step(make_net(checkpoint), count=True)
+    compiled = make_net(checkpoint, compiled="aot_eager")
+    loss, grads, flops, rng = train_step(compiled, count=True)
+    plain_loss, plain_grads, _, plain_rng = train_step(compiled, count=False)
+    assert flops == eager_flops > 0  # checkpointing: the recomputed forward counts, as eagerly
+    assert torch.equal(loss, plain_loss) and torch.equal(rng, plain_rng)
+    assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
+
+
+def test_counting_step_saves_what_a_compiled_step_saves(fresh_dynamo):
+    # The min-cut partitioner (inductor's) saves less for backward than eager autograd does, so
+    # a counting step that ran the blocks eagerly would save more.
+    eager, compiled, counting = [], [], []
+    train_step(make_net(), count=False, saved=eager)
+    net = make_net(compiled="aot_eager_decomp_partition")
+    train_step(net, count=False, saved=compiled)
+    train_step(net, count=True, saved=counting)
+    assert sum(counting) == sum(compiled) < sum(eager)
+
+
+def test_counting_changes_no_eager_rounding():
+    # FlopCounterMode runs silu_backward through its decomposition, which rounds differently.
+    def grads(count: bool) -> dict[str, torch.Tensor]:
+        return train_step(make_net(), count=count)[1]
+
+    counted, plain = grads(True), grads(False)
+    assert all(torch.equal(counted[name], plain[name]) for name in plain)
+
+
+def test_composite_ops_count_through_their_decomposition():
+    layer = nn.Linear(8, 4, bias=False)
+    with torch.inference_mode(), FlopCounter() as counter:  # linear reaches the mode whole
+        layer(torch.randn(16, 8))
+    assert counter.flops == 2 * 16 * 8 * 4
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * x.sum().item()  # fake tensors have no values
+
+
+def test_a_compiled_region_that_cannot_run_on_fake_tensors_leaves_the_count_unknown(
+    fresh_dynamo, caplog
+):
+    net = nn.Sequential(DataDependent(), DataDependent())
+    compile_blocks(net, CompileConfig(enabled=True), backend="eager")
+    with FlopCounter() as counter:
+        net(torch.randn(2, 4)).sum().backward()
+    assert counter.flops is None
+    assert "flops_per_sample" in caplog.text
 
 
 def test_peak_comes_from_the_override_or_the_table():

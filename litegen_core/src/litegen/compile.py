@@ -70,6 +70,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from litegen.blocks import repeated_blocks
+from litegen.flop_counter import call_compiled
 from litegen.memory.block_forward import block_forward
 
 log = logging.getLogger("litegen")
@@ -108,7 +109,9 @@ class _CompiledForward:
                 settings.enter_context(torch._functorch.config.patch(**budget))
             for context in self.block_contexts:
                 settings.enter_context(context())
-            return self.compiled(*args, **kwargs)
+            # While the first step's FLOPs are counted, this runs compiled and counts the eager
+            # forward on fake tensors (litegen/flop_counter.py).
+            return call_compiled(self.compiled, self.original, args, kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:

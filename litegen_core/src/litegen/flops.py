@@ -10,10 +10,12 @@ including frozen encoders in ``train_step`` and, with activation checkpointing, 
 forward, so then the figure is hardware FLOPs utilisation; give ``flops_per_sample()`` for strict
 model FLOPs.
 
+Counting runs compiled regions compiled (:mod:`litegen.flop_counter`).
+
 Peak FLOP/s: ``trainer.peak_tflops`` when set, else :data:`PEAK_TFLOPS` by device name (dense
-bf16). For H200 we use 790 TFLOP/s, the bf16 matmul rate measured on our machines (issue 8),
-not the 989 of the datasheet, so the MFU we log is the one the targets are stated in. On CPU, or
-a GPU not in the table, MFU is left out unless ``trainer.peak_tflops`` is set.
+bf16). For H200 we use 790 TFLOP/s, the bf16 matmul rate measured on our H200s, not the 989 of
+the datasheet, so the MFU we log is the one the targets are stated in. On CPU, or a GPU not in
+the table, MFU is left out unless ``trainer.peak_tflops`` is set.
 
 Example:
     >>> counter = FlopCounter()
@@ -27,11 +29,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+
+from litegen.flop_counter import FlopCounter
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Peak:
 
 # Matched against torch.cuda.get_device_name() in order, so longer names come first.
 PEAK_TFLOPS: dict[str, Peak] = {
-    "H200": Peak(989.0, 790.0, "measured bf16 matmul peak on H200 (issue 8); datasheet 989"),
+    "H200": Peak(989.0, 790.0, "measured bf16 matmul peak on our H200s; datasheet 989"),
     "H100 PCIe": Peak(756.0, 756.0, "datasheet"),
     "H100": Peak(989.0, 989.0, "datasheet (SXM)"),
     "H800": Peak(989.0, 989.0, "datasheet"),
@@ -77,41 +79,6 @@ def peak_flops(device: torch.device | str, override_tflops: float | None = None)
         if key in name:
             return peak.used * 1e12
     return None
-
-
-class FlopCounter:
-    """Counts the FLOPs of the code run inside it (matmuls, convolutions, attention).
-
-    Compiled regions run eagerly while counting (``FlopCounterMode`` cannot see inside a
-    compiled graph), so count a step before the one you time.
-
-    Example:
-        >>> with FlopCounter() as counter:
-        ...     loss = model(x).mean(); loss.backward()
-        >>> counter.flops > 0
-        True
-    """
-
-    def __init__(self) -> None:
-        self._mode = FlopCounterMode(display=False)
-        self._eager = _force_eager()
-        self.flops = 0
-
-    def __enter__(self) -> FlopCounter:
-        self._eager.__enter__()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-        self._eager.__exit__(*exc)
-        self.flops = int(self._mode.get_total_flops())
-
-
-def _force_eager():
-    """Run compiled functions eagerly (``set_stance`` exists from torch 2.6)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 def model_flops_per_sample(model: nn.Module | None) -> float | None:
@@ -223,7 +190,8 @@ class StepThroughput:
         self._pending = False
         with FlopCounter() as counter:
             yield
-        self.flops_per_step_per_gpu = counter.flops * self.accum
+        if counter.flops is not None:
+            self.flops_per_step_per_gpu = counter.flops * self.accum
 
     def metrics(self, steps: int, seconds: float) -> dict[str, float]:
         """samples/s, tokens/s (total and per GPU) and MFU, as far as they are known."""

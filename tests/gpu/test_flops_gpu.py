@@ -1,0 +1,93 @@
+"""FLOP counting on CUDA with inductor: the counting step costs a compiled step's memory."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litegen.compile import compile_blocks
+from litegen.flops import FlopCounter
+from litegen.utils.config import CompileConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+HIDDEN, TOKENS, BATCH, DEPTH = 256, 2048, 8, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.mlp = nn.Sequential(
+            nn.Linear(HIDDEN, 4 * HIDDEN),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * HIDDEN, HIDDEN),
+        )
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.norm(x) * (1 + cond.unsqueeze(1))
+        q, k, v = self.qkv(h).view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.SiLU())
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cond = self.cond(x.mean(1))
+        for block in self.blocks:
+            x = block(x, cond)
+        return self.head(x).square().mean()
+
+
+def first_step(compiled: bool, count: bool):
+    """Peak memory of a fresh model's first step above what was allocated before it."""
+    torch.manual_seed(0)
+    net = Net().cuda()
+    if compiled:
+        compile_blocks(net, CompileConfig(enabled=True))
+    x = torch.randn(BATCH, TOKENS, HIDDEN, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with FlopCounter() if count else nullcontext() as counter:
+        loss = net(x)
+        loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    grads = {name: p.grad.detach().clone() for name, p in net.named_parameters()}
+    flops = counter.flops if counter is not None else None
+    del net, x, loss
+    return peak, flops, grads
+
+
+def test_counting_step_peaks_like_a_compiled_step_and_counts_like_eager():
+    torch._dynamo.reset()
+    eager_peak, eager_flops, _ = first_step(compiled=False, count=True)
+    compiled_peak, _, compiled_grads = first_step(compiled=True, count=False)
+    counting_peak, flops, counting_grads = first_step(compiled=True, count=True)
+    torch._dynamo.reset()
+    print(
+        f"peak MiB: eager {eager_peak / 2**20:.0f}, compiled {compiled_peak / 2**20:.0f}, "
+        f"counting {counting_peak / 2**20:.0f}; FLOPs eager {eager_flops}, counted {flops}"
+    )
+    assert eager_peak > 1.05 * compiled_peak  # else this model could not show the difference
+    assert counting_peak <= 1.05 * compiled_peak
+    assert flops == pytest.approx(eager_flops, rel=0.01)
+    for name, grad in compiled_grads.items():
+        torch.testing.assert_close(counting_grads[name], grad, msg=name)
