@@ -263,7 +263,9 @@ def probe(opts: dict[str, Any]) -> dict[str, Any]:
     limit = opts["memory_limit_gib"]
     if device.type == "cuda" and limit:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit * GIB / total), device)
+        # By index: torch 2.11 refuses a "cuda" device without one here.
+        fraction = min(1.0, limit * GIB / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device.index or 0)
     row = {"variant": opts["variant"], "frames": opts["frames"], **_device_info(device)}
     try:
         device, model, optimizer, _, step = _setup(opts, opts["frames"], lr=0.0)

@@ -62,7 +62,7 @@ def cached_keys(cache_root: Path) -> tuple[set[str], set[str]]:
 
 def test_autoencoder_then_latent_dit_with_cache(tmp_path):
     ae_results, cache_root = tmp_path / "autoencoder", tmp_path / "cache"
-    launch("digits_autoencoder.yaml", "max_steps=40", f"results_dir={ae_results}", cwd=tmp_path)
+    launch("digits_autoencoder.yaml", "max_steps=8", f"results_dir={ae_results}", cwd=tmp_path)
     checkpoint = ae_results / "digits_autoencoder.pth"
     assert checkpoint.is_file()
     assert (ae_results / "reconstructions.png").is_file()

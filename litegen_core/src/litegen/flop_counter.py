@@ -88,7 +88,7 @@ class FlopCounter:
         with _disable_current_modes():
             first = _next_node_number() if training else 0
             out = compiled(*args, **kwargs)
-        if training:
+        if training and first is not None:
             _hide_backward(out, first)
         return out
 
@@ -218,11 +218,16 @@ def _graph_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
-def _next_node_number() -> int:
-    """The sequence number the next autograd node created on this thread gets."""
+def _next_node_number() -> int | None:
+    """The sequence number the next autograd node created on this thread gets.
+
+    ``None`` where this torch has no ``Node._sequence_nr`` (a private method, present in 2.8 to
+    2.13): the compiled backward is then counted as it runs, and the figure may run high.
+    """
     with torch.enable_grad():
         marker = torch.empty(0, requires_grad=True).view(-1)
-    return marker.grad_fn._sequence_nr() + 1
+    number = getattr(marker.grad_fn, "_sequence_nr", None)
+    return number() + 1 if number is not None else None
 
 
 def _hide_backward(out: Any, first: int) -> None:
