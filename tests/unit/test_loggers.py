@@ -181,3 +181,29 @@ def test_the_profiler_traces_its_steps_and_logs_a_summary(tmp_path, caplog):
         category("Memcpy DtoH (Device -> Pinned)"),
         category("vectorized_elementwise_kernel"),
     ) == ("communication", "attention", "matmul", "copies", "elementwise/other")
+
+
+def test_exposed_communication_is_what_no_other_kernel_overlaps():
+    from litegen.trainer.profiling import summarize
+
+    def kernel(name, start, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur}
+
+    events = [
+        kernel("sm90_xmma_gemm", 0, 10_000),
+        kernel("ncclDevKernel_AllGather", 5_000, 10_000),  # half hidden behind the gemm
+        kernel("flash_fwd_kernel", 20_000, 5_000),
+    ]
+    lines = summarize(events, steps=1, path="trace.json")
+    rows = dict(
+        re.fullmatch(r"\s+(.+?)\s+([\d.]+) ms/step\s+[\d.]+%", x).groups() for x in lines[1:]
+    )
+    assert lines[0].startswith("profile: 1 step(s), device kernels")
+    assert rows == {
+        "communication": "10.00",
+        "matmul": "10.00",
+        "attention": "5.00",
+        "copies": "0.00",
+        "elementwise/other": "0.00",
+        "exposed comm.": "5.00",
+    }

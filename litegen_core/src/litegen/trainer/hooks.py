@@ -6,7 +6,9 @@ and ``sample`` sees the EMA weights (when ``ema.enable``) only for its duration,
 own weights being copied back bit for bit.
 
 - ``sample(**parts)`` runs on every rank when the model is sharded or split over sequence
-  ranks (its forward is collective), on rank 0 alone otherwise. It receives, by keyword,
+  ranks (its forward is collective); otherwise (ddp, zero1, zero2) on rank 0 alone, with the
+  trainable models unwrapped (a DDP wrapper's forward would wait for the other ranks), while
+  the other ranks go on to the next step. It receives, by keyword,
   whichever of the prepared parts, ``gen``, ``config``, ``step`` and ``out_dir``
   (``<results_dir>/samples/step_<N>/``) it asks for. What it returns (images ``(N, C, H, W)``
   or videos ``(N, C, T, H, W)``, values in [0, 1] or [-1, 1]) is saved by rank 0 as a PNG or
@@ -95,6 +97,12 @@ class TrainingHooks:
             m.strategy.name not in _REPLICATED for m in gen.models if m.trainable
         )
         self._sample_here = sharded or gen.is_main_process
+        # Rank 0 samples alone: it gets the user's modules, since a wrapper's forward (DDP's
+        # buffer broadcast) would wait for the other ranks.
+        self._sample_parts = self.parts
+        if not sharded:
+            unwrapped = {id(m): gen.unwrap(m) for m in self.models}
+            self._sample_parts = {k: unwrapped.get(id(v), v) for k, v in self.parts.items()}
 
     def due(self, step: int) -> bool:
         """Whether a hook runs after ``step`` (never at step 0)."""
@@ -131,11 +139,12 @@ class TrainingHooks:
                 module.training = training
             restore_rng(rng, self.gen.device)
 
-    def _call(self, fn: Callable[..., Any], **extra: Any) -> Any:
-        return fn(**keyword_filter(fn, skip_first=False)({**self.parts, **extra}))
+    @staticmethod
+    def _call(fn: Callable[..., Any], parts: dict[str, Any], **extra: Any) -> Any:
+        return fn(**keyword_filter(fn, skip_first=False)({**parts, **extra}))
 
     def _validate(self, step: int) -> float:
-        loss = self._call(self.validate_fn, step=step)
+        loss = self._call(self.validate_fn, self.parts, step=step)
         if not isinstance(loss, torch.Tensor | float | int) or (
             isinstance(loss, torch.Tensor) and loss.numel() != 1
         ):
@@ -152,12 +161,12 @@ class TrainingHooks:
         out_dir = self.samples_dir / f"step_{step}"
         if self.gen.is_main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
+        returned = None
         with ema_weights(self.gen):
-            returned = (
-                self._call(self.sample_fn, step=step, out_dir=out_dir)
-                if (self._sample_here)
-                else None
-            )
+            if self._sample_here:
+                returned = self._call(
+                    self.sample_fn, self._sample_parts, step=step, out_dir=out_dir
+                )
         if not self.gen.is_main_process:
             return []
         if returned is not None:

@@ -242,9 +242,12 @@ class Trainer(RunCheckpoints):
                     result = self.run_step(batches)
                     if self.profiler is not None:
                         self.profiler.after_step(self.step)
-                    extras = self.hooks.run(self.step) if self.hooks.due(self.step) else {}
+                    # A hook's step is logged (val_loss, sample files), on every rank alike:
+                    # queuing a record is a collective.
+                    hooked = self.hooks.due(self.step)
+                    extras = self.hooks.run(self.step) if hooked else {}
                     logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
-                    if (result.finite and logged) or extras:
+                    if (result.finite and logged) or hooked:
                         self._queue_record(pending, result, extras)
                     metrics.advance(self.step)
                     window = self._write_records(pending, metrics, window, losses, wait=False)

@@ -32,13 +32,10 @@ log = logging.getLogger("litegen")
 # First match wins, so collectives named after the op they reduce (an "all_reduce" kernel of
 # NCCL's) count as communication and fused attention kernels as attention, not matmul.
 CATEGORIES = (
+    # c10d:: covers the collectives' host ops (c10d::broadcast_, not aten::broadcast_tensors).
     (
         "communication",
-        re.compile(
-            r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast"
-            r"|send|recv",
-            re.I,
-        ),
+        re.compile(r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all", re.I),
     ),
     ("attention", re.compile(r"attention|attn|flash|fmha|sdpa|softmax", re.I)),
     ("matmul", re.compile(r"gemm|matmul|\bmm\b|aten::[a-z_]*mm\b|linear|cutlass|xmma|nvjet", re.I)),
