@@ -128,3 +128,15 @@ def test_videos_become_a_gif_grid_and_images_in_minus_one_to_one_a_png(tmp_path)
     assert np.asarray(Image.open(png)).max() == 0  # -1 is black
     with pytest.raises(ValueError, match=r"sample\(\) returned shape \(2, 4\)"):
         save_samples(torch.zeros(2, 4), tmp_path)
+
+
+def test_launch_refuses_a_sample_interval_without_the_hook_before_building_anything():
+    from pathlib import Path
+
+    from litegen.trainer import run_entry
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    config = MainConfig.from_dict({"runtime": {"device": "cpu"}, "trainer": {"sample_every": 5}})
+    with pytest.raises(ValueError, match=r"trainer.sample_every is 5 .*trainer.sample_every: 0"):
+        run_entry(config, "resume_entry.py", fixtures)
+    assert not torch.distributed.is_initialized()  # failed before initialize()

@@ -17,6 +17,7 @@ import datetime
 import time
 from typing import Any
 
+from rich import get_console
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -112,8 +113,9 @@ class ProgressLines:
 def progress_display(
     total: int, start: int, console: Console | None = None
 ) -> ProgressBar | ProgressLines:
-    """A bar when ``console`` (stdout by default) is a terminal, plain lines otherwise."""
-    console = console or Console()
+    """A bar when ``console`` is a terminal, plain lines otherwise. The default is rich's
+    global console (stdout), which rich's log handler shares, so log lines print above the bar."""
+    console = console or get_console()
     kind = ProgressBar if console.is_terminal else ProgressLines
     return kind(total, start, console)
 

@@ -17,7 +17,7 @@ from litegen.config import MainConfig
 from litegen.entry import load_entry
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
-from litegen.trainer.hooks import keyword_filter
+from litegen.trainer.hooks import check_hooks, keyword_filter
 from litegen.trainer.loop import Trainer
 
 
@@ -33,6 +33,8 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
         >>> run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
     """
     module = load_entry(entry, base_dir)
+    hooks = {"sample_fn": _hook(module, "sample"), "validate_fn": _hook(module, "validate")}
+    check_hooks(config, **hooks)  # before the models load: a missing hook fails in seconds
     gen = initialize(config)
     built = module.build(config)
     if not isinstance(built, dict) or not built:
@@ -51,8 +53,7 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
         module.train_step,
         parts,
         run_info=_launch_info(gen, entry, base_dir),
-        sample_fn=_hook(module, "sample"),
-        validate_fn=_hook(module, "validate"),
+        **hooks,
     )
     losses = trainer.fit()
     finish = _hook(module, "finish")

@@ -59,6 +59,27 @@ def keyword_filter(
     return lambda kwargs: {k: v for k, v in kwargs.items() if k in names}
 
 
+def check_hooks(
+    config: Any,
+    *,
+    sample_fn: Callable[..., Any] | None,
+    validate_fn: Callable[..., Any] | None,
+) -> None:
+    """Raise ``ValueError`` when ``trainer.sample_every`` or ``validate_every`` is set but the
+    hook it calls is missing; :func:`run_entry` checks before building anything."""
+    for field, fn, name in (
+        ("sample_every", sample_fn, "sample"),
+        ("validate_every", validate_fn, "validate"),
+    ):
+        every = getattr(config.trainer, field)
+        if every and fn is None:
+            raise ValueError(
+                f"trainer.{field} is {every} but there is no {name}() hook: define "
+                f"{name}(**parts) in the entry module (or pass {name}_fn= to Trainer), or set "
+                f"trainer.{field}: 0."
+            )
+
+
 class TrainingHooks:
     """Calls ``sample_fn`` and ``validate_fn`` at their steps (``trainer.sample_every``,
     ``trainer.validate_every``); see the module docstring for what they receive.
@@ -77,16 +98,7 @@ class TrainingHooks:
         validate_fn: Callable[..., Any] | None = None,
     ) -> None:
         cfg = gen.config.trainer
-        for field, fn, name in (
-            ("sample_every", sample_fn, "sample"),
-            ("validate_every", validate_fn, "validate"),
-        ):
-            if getattr(cfg, field) and fn is None:
-                raise ValueError(
-                    f"trainer.{field} is {getattr(cfg, field)} but there is no {name}() hook: "
-                    f"define {name}(**parts) in the entry module (or pass {name}_fn= to "
-                    f"Trainer), or set trainer.{field}: 0."
-                )
+        check_hooks(gen.config, sample_fn=sample_fn, validate_fn=validate_fn)
         self.gen = gen
         self.parts = {**parts, "gen": gen, "config": gen.config}
         self.sample_fn, self.validate_fn = sample_fn, validate_fn
@@ -106,10 +118,11 @@ class TrainingHooks:
 
     def due(self, step: int) -> bool:
         """Whether a hook runs after ``step`` (never at step 0)."""
-        return step > 0 and any(every and step % every == 0 for every in self._everies())
-
-    def _everies(self) -> tuple[int, int]:
-        return self.sample_every, self.validate_every
+        if not (self.sample_every or self.validate_every) or step == 0:
+            return False  # the common case, at every step: two attribute reads
+        return any(
+            every and step % every == 0 for every in (self.sample_every, self.validate_every)
+        )
 
     def run(self, step: int) -> dict[str, Any]:
         """Run the hooks due after ``step``; returns ``val_loss`` and ``media`` (files) if any."""
@@ -216,4 +229,4 @@ def _reshard(module: nn.Module) -> None:
             sub.reshard()
 
 
-__all__ = ["TrainingHooks", "ema_weights", "keyword_filter"]
+__all__ = ["TrainingHooks", "check_hooks", "ema_weights", "keyword_filter"]
