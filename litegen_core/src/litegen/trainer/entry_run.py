@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from litegen.config import MainConfig
 from litegen.entry import load_entry
+from litegen.loggers import check_loggers
 from litegen.runtime.litegen import LiteGen, initialize
 from litegen.runtime.prepare import preparable_kind
 from litegen.trainer.hooks import check_hooks, keyword_filter
@@ -34,7 +35,9 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     """
     module = load_entry(entry, base_dir)
     hooks = {"sample_fn": _hook(module, "sample"), "validate_fn": _hook(module, "validate")}
-    check_hooks(config, **hooks)  # before the models load: a missing hook fails in seconds
+    # Before the models load: a missing hook or logger package fails in seconds.
+    check_hooks(config, **hooks)
+    check_loggers(config.trainer.loggers)
     gen = initialize(config)
     built = module.build(config)
     if not isinstance(built, dict) or not built:
