@@ -1,7 +1,9 @@
-"""Samples of a sharded model: every rank takes part, from the EMA weights, training unchanged."""
+"""Hooks of a sharded model: samples on every rank from the EMA weights, training unchanged;
+the validation loss averaged over ranks."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -37,7 +39,12 @@ def train(strategy: str, sample_every: int) -> dict:
                 "max_steps": 4,
                 "ema": {"enable": True, "decay": 0.9},
                 "optimization": {"parallel": {"strategy": strategy}},
-                "trainer": {"log_every": 1, "save_final": False, "sample_every": sample_every},
+                "trainer": {
+                    "log_every": 1,
+                    "save_final": False,
+                    "sample_every": sample_every,
+                    "validate_every": 4 if sample_every else 0,
+                },
             }
         )
         gen = litegen.initialize(config)
@@ -46,28 +53,27 @@ def train(strategy: str, sample_every: int) -> dict:
         model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
         parts = {"model": model, "optimizer": optimizer, "loader": loader}
         sample_fn = sample if sample_every else None
-        losses = Trainer(
-            gen, lambda batch, model: loss_fn(model, batch), parts, sample_fn=sample_fn
-        ).fit()
+        validate_fn = (lambda: float(torch.distributed.get_rank())) if sample_every else None
+        step = lambda batch, model: loss_fn(model, batch)  # noqa: E731
+        trainer = Trainer(gen, step, parts, sample_fn=sample_fn, validate_fn=validate_fn)
+        losses = trainer.fit()
+        metrics = Path(results, "metrics.jsonl")
+        val = [json.loads(x).get("val_loss") for x in metrics.open()] if metrics.exists() else []
         written = sorted(str(p.relative_to(results)) for p in Path(results).glob("samples/*/*"))
         weights = {k: v.clone() for k, v in gen.full_model_state(model).items()}
-        gen.close()
-    return {"losses": losses, "calls": calls, "written": written, "weights": weights}
-
-
-def with_and_without_samples(strategy: str) -> tuple[dict, dict]:
-    return train(strategy, sample_every=2), train(strategy, sample_every=0)
+    return {"losses": losses, "calls": calls, "written": written, "weights": weights, "val": val}
 
 
 def test_fsdp2_samples_on_every_rank_from_the_ema_and_trains_the_same():
-    runs = run_ranks(with_and_without_samples, 2, "fsdp2")
-    with_samples, without = [run[0] for run in runs], [run[1] for run in runs]
+    with_samples = run_ranks(train, 2, "fsdp2", 2)
+    without = run_ranks(train, 2, "fsdp2", 0)
     for rank in (0, 1):
         assert with_samples[rank]["calls"] == [(2, False, True), (4, False, True)]
     assert with_samples[0]["written"] == [
         "samples/step_2/samples.png",
         "samples/step_4/samples.png",
     ]
+    assert with_samples[0]["val"] == [None, None, None, 0.5]  # ranks 0 and 1 averaged
     assert with_samples[0]["losses"] == without[0]["losses"]
     for key, value in without[0]["weights"].items():
         assert torch.equal(with_samples[0]["weights"][key], value), key
