@@ -4,7 +4,8 @@
 
 Rectified flow: x_t = (1 - t) x_0 + t * noise, the model predicts the velocity noise - x_0;
 sampling integrates it from pure noise (t = 1) to an image (t = 0) with Euler steps and
-classifier-free guidance. ``finish`` draws a grid of samples from the EMA weights.
+classifier-free guidance. ``sample`` draws a grid every ``trainer.sample_every`` steps and
+``finish`` one at the end, both from the EMA weights.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def train_step(batch, model, config):
 
 
 @torch.no_grad()
-def sample(
+def euler_sample(
     model: nn.Module,
     labels: torch.Tensor,
     steps: int,
@@ -165,15 +166,26 @@ def sample(
 ) -> torch.Tensor:
     """Euler integration from noise (t = 1) to data (t = 0) with classifier-free guidance."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(labels), *shape, generator=generator)
+    x = torch.randn(len(labels), *shape, generator=generator).to(labels.device)
     null = torch.full_like(labels, NUM_CLASSES)
     for i in range(steps, 0, -1):
-        t = torch.full((len(labels),), i / steps)
+        t = torch.full((len(labels),), i / steps, device=labels.device)
         v_cond, v_null = model(
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null])
         ).chunk(2)
         x = x - (v_null + guidance * (v_cond - v_null)) / steps
     return x
+
+
+def sample(model, config):
+    """Samples during training (``trainer.sample_every``): one row per digit, drawn with the
+    weights the trainer puts in place (the EMA's when the EMA is on); saved as a PNG grid."""
+    per_class = config.sampling.per_class
+    device = next(model.parameters()).device
+    labels = torch.arange(NUM_CLASSES, device=device).repeat_interleave(per_class)
+    guidance = config.sampling.guidance
+    images = euler_sample(model, labels, config.sampling.steps, guidance, config.global_seed)
+    return images.clamp(-1, 1)  # (N, 1, 8, 8) in [-1, 1]
 
 
 def finish(model, gen, config):
@@ -186,7 +198,7 @@ def finish(model, gen, config):
     sampler.eval()
     per_class = config.sampling.per_class
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-    images = sample(
+    images = euler_sample(
         sampler, labels, config.sampling.steps, config.sampling.guidance, config.global_seed
     ).clamp(-1, 1)
     save_grid(

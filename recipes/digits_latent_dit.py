@@ -28,7 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from digits_autoencoder import DigitsAutoencoder
-from digits_dit import NUM_CLASSES, Digits, flow_loss, make_dit, make_optimizer, sample, save_grid
+from digits_dit import (
+    NUM_CLASSES,
+    Digits,
+    euler_sample,
+    flow_loss,
+    make_dit,
+    make_optimizer,
+    save_grid,
+)
 
 from litegen.cache import TensorCache, fingerprint
 from litegen.utils.encode import vae_encode
@@ -266,7 +274,7 @@ def finish(latents, gen, config, step):
     sampler.eval()
     per_class = config.sampling.per_class
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-    z = sample(
+    z = euler_sample(
         sampler,
         labels,
         config.sampling.steps,

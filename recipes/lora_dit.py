@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders import WanLoraLoaderMixin
-from digits_dit import NUM_CLASSES, Digits, flow_loss, make_optimizer, sample, save_grid
+from digits_dit import NUM_CLASSES, Digits, euler_sample, flow_loss, make_optimizer, save_grid
 from torch import nn
 
 from litegen.checkpoint import load_state
@@ -88,7 +88,7 @@ def finish(gen, config):
     per_class = config.sampling.per_class
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
     forward = conditioned(sampler.eval(), class_tokens(config))
-    images = sample(forward, labels, config.sampling.steps, config.sampling.guidance, 0)
+    images = euler_sample(forward, labels, config.sampling.steps, config.sampling.guidance, 0)
     cells = images.clamp(-1, 1).reshape(NUM_CLASSES, per_class, 8, 8)
     save_grid(cells, Path(config.get_results_dir()) / "samples.png")
 

@@ -72,13 +72,21 @@ def read_metrics(results: Path) -> list[dict]:
 
 def test_two_rank_launch_writes_metrics(tmp_path):
     recipe = write_recipe(tmp_path, "tiny_entry.py")
-    code, out = finish(litegen("launch", recipe, "max_steps=3", cwd=tmp_path))
+    hooks = ("trainer.sample_every=2", "trainer.validate_every=3")
+    code, out = finish(litegen("launch", recipe, "max_steps=3", *hooks, cwd=tmp_path))
     assert code == 0, out[-4000:]
     results = tmp_path / "results"
     assert (results / "recipe.resolved.yaml").is_file()
     metrics = read_metrics(results)
     assert len(metrics) == 3  # log_every=1: one line per step, the override applied
     assert all("loss" in m for m in metrics)
+    assert [("val_loss" in m) for m in metrics] == [False, False, True]
+    assert [p.name for p in (results / "samples").iterdir()] == ["step_2"]
+    assert (results / "samples" / "step_2" / "samples.png").is_file()
+    # Output to a pipe: one plain line per logged step, no progress bar.
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], out[-4000:]
+    assert all(" loss " in line and " eta " in line for line in lines)
 
 
 def test_two_nodes_on_one_machine(tmp_path):

@@ -113,9 +113,11 @@ def test_autoencoder_then_latent_dit_with_cache(tmp_path):
 def test_digits_dit_writes_samples(tmp_path):
     results = tmp_path / "digits_dit"
     out = launch("digits_dit.yaml", "max_steps=10", f"results_dir={results}", *SMALL_DIT,
-                 cwd=tmp_path)  # fmt: skip
+                 "trainer.sample_every=5", cwd=tmp_path)  # fmt: skip
     assert f"samples written to {results / 'samples.png'}" in out
     assert (results / "samples.png").stat().st_size > 0
+    during = sorted(p.relative_to(results).as_posix() for p in results.glob("samples/*/*"))
+    assert during == ["samples/step_10/samples.png", "samples/step_5/samples.png"]
     assert len((results / "metrics.jsonl").read_text().splitlines()) > 0
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import litegen
-from litegen.trainer import Trainer, _cast_model_hint
+from litegen.trainer import Trainer
+from litegen.trainer.hints import cast_model_hint
 from litegen.utils.config import MainConfig
 
 
@@ -64,8 +65,8 @@ def test_with_autocast_the_same_step_trains(tmp_path):
 )
 def test_only_float_against_the_cast_dtype_gets_the_hint(error, hinted):
     config = MainConfig.from_dict({"optimization": {"precision": {"cast_model": "bf16"}}})
-    assert (_cast_model_hint(config, error) is not None) == hinted
+    assert (cast_model_hint(config, error) is not None) == hinted
     with_autocast = config.model_copy(
         update={"trainer": config.trainer.model_copy(update={"autocast": "bf16"})}
     )
-    assert _cast_model_hint(with_autocast, error) is None
+    assert cast_model_hint(with_autocast, error) is None

@@ -1,8 +1,7 @@
-"""Where training metrics go: JSON lines always, TensorBoard when installed, a rich bar on rank 0.
+"""Where training metrics go: ``metrics.jsonl`` always, the loggers asked for, progress on stdout.
 
-The bar is drawn from the training loop itself, at most every ``REFRESH_S`` seconds and only
-on a terminal: rich's own refresh thread would re-render it ten times a second, taking the
-GIL from the loop, and elsewhere (a log file) only the final state is printed, at the end.
+Rank 0 alone writes. ``metrics.jsonl`` is the source of truth; TensorBoard and Weights & Biases
+(``trainer.loggers``, :mod:`litegen.loggers`) get the same scalars and the sample files.
 """
 
 from __future__ import annotations
@@ -10,21 +9,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.console import Console
 
 from litegen.checkpoint.files import atomic_write_text
-
-REFRESH_S = 0.25
+from litegen.config.sections import WandbConfig
+from litegen.loggers import Sink, open_sinks
+from litegen.loggers.progress import ProgressBar, ProgressLines, progress_display, status_of
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:
@@ -46,26 +40,37 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsLogger:
-    """Writes one JSON object per logged step to ``metrics.jsonl`` (rank 0 only).
+    """Writes one JSON object per logged step to ``metrics.jsonl`` and to the loggers (rank 0).
 
     Example:
-        >>> with MetricsLogger("results/run", total_steps=100, enabled=True) as metrics:
+        >>> with MetricsLogger("results/run", total_steps=100, enabled=True,
+        ...                    loggers=["tensorboard"]) as metrics:
         ...     metrics.log(step=1, loss=0.5)
     """
 
-    def __init__(self, folder: str | Path, *, total_steps: int, enabled: bool, start_step: int = 0):
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        total_steps: int,
+        enabled: bool,
+        start_step: int = 0,
+        loggers: Sequence[str] = ("jsonl",),
+        run_name: str = "run",
+        wandb: WandbConfig | None = None,
+        run_config: dict[str, Any] | None = None,
+        console: Console | None = None,
+    ):
         self.enabled = enabled
         self.folder = Path(folder)
+        self._loggers = list(loggers)
+        self._sink_options = {"run_name": run_name, "wandb": wandb, "run_config": run_config}
+        self._console = console
         self._file = None
-        self._tensorboard = None
-        self._progress: Progress | None = None
-        self._task = None
+        self._sinks: list[Sink] = []
+        self._display: ProgressBar | ProgressLines | None = None
         self._total = total_steps
         self._start = start_step
-        self._step = start_step
-        self._status = ""
-        self._terminal = False
-        self._refreshed = 0.0
 
     def __enter__(self) -> MetricsLogger:
         if not self.enabled:
@@ -74,31 +79,15 @@ class MetricsLogger:
         path = self.folder / "metrics.jsonl"
         _keep_records_up_to(path, self._start)
         self._file = open(path, "a", encoding="utf-8")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(self.folder / "tensorboard"))
-        except ImportError:
-            self._tensorboard = None
-        self._progress = Progress(
-            TextColumn("[bold]step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            auto_refresh=False,
-        )
-        self._terminal = self._progress.console.is_terminal
-        self._progress.start()
-        self._task = self._progress.add_task(
-            "train", total=self._total, completed=self._start, status=""
-        )
+        self._sinks = open_sinks(self._loggers, self.folder, **self._sink_options)
+        self._display = progress_display(self._total, self._start, self._console)
         return self
 
-    def log(self, step: int, when: float | None = None, **values: Any) -> None:
-        """Write one record: ``step``, ``time`` (``when``, else now) and ``values``.
+    def log(
+        self, step: int, when: float | None = None, media: Sequence[Path] = (), **values: Any
+    ) -> None:
+        """Write one record: ``step``, ``time`` (``when``, else now) and ``values``; the
+        loggers also get ``media`` (PNG and GIF files of samples).
 
         Non-finite floats are written as ``null``, so every line stays strict JSON.
         """
@@ -108,34 +97,25 @@ class MetricsLogger:
         record.update((k, _json_number(v)) for k, v in values.items())
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in values.items():
-                if isinstance(value, int | float):
-                    self._tensorboard.add_scalar(f"train/{key}", value, step)
-        self._status = "  ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
-        )
-        self.advance(max(step, self._step))
+        scalars = {k: v for k, v in values.items() if isinstance(v, int | float)}
+        for sink in self._sinks:
+            if media:
+                sink.media(step, list(media))
+            sink.scalars(step, scalars)
+        self._display.record(step, status_of(values))
 
     def advance(self, step: int) -> None:
-        """Move the bar to ``step`` (drawn now if the last drawing is ``REFRESH_S`` old)."""
-        self._step = step
-        if self._terminal and time.monotonic() - self._refreshed >= REFRESH_S:
-            self._draw()
-
-    def _draw(self) -> None:
-        self._progress.update(self._task, completed=self._step, status=self._status)
-        self._progress.refresh()
-        self._refreshed = time.monotonic()
+        """Move the progress bar to ``step`` (drawn if the last drawing is old enough)."""
+        if self._display is not None:
+            self._display.advance(step)
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
-        self._progress.update(self._task, completed=self._step, status=self._status)
-        self._progress.stop()
+        self._display.close()
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _json_number(value: Any) -> Any:

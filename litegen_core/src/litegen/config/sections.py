@@ -394,6 +394,22 @@ class EMAConfig(Section):
     resume_from: str | None = None
 
 
+class ProfileConfig(Section):
+    """A torch profiler window over training steps (``trainer.profile``)."""
+
+    start: int = Field(..., ge=1, description="the first profiled step (steps count from 1)")
+    steps: int = Field(..., ge=1, description="how many steps to profile")
+
+
+class WandbConfig(Section):
+    """Weights & Biases options (``trainer.wandb``), read when ``trainer.loggers`` has wandb."""
+
+    project: str | None = Field(None, description="None: the run's exp_name")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: everything stays under <results_dir>/wandb"
+    )
+
+
 class TrainerConfig(Section):
     """Training-loop settings read by LiteGen's trainer (``trainer``)."""
 
@@ -420,4 +436,18 @@ class TrainerConfig(Section):
     )
     tokens_per_sample: int | None = Field(
         None, ge=1, description="for tokens/s; None: the model's tokens_per_sample, if any"
+    )
+    sample_every: int = Field(
+        0, ge=0, description="steps between calls of the entry's sample() hook; 0: never"
+    )
+    validate_every: int = Field(
+        0, ge=0, description="steps between calls of the entry's validate() hook; 0: never"
+    )
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where metrics go; metrics.jsonl is always written",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    profile: ProfileConfig | None = Field(
+        None, description="torch profiler trace and summary for steps start..start+steps-1"
     )

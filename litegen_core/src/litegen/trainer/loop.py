@@ -1,23 +1,13 @@
-"""The training loop that ``litegen launch`` runs around a user's ``train_step``.
+"""The training loop: steps, accumulation, clipping, EMA, logged records, run checkpoints.
 
-Library users can run it too::
-
-    gen = litegen.initialize(config)
-    parts = dict(zip(("model", "optimizer", "loader"), gen.prepare(model, optimizer, dataset)))
-    Trainer(gen, train_step, parts).fit()
-
-``train_step(batch, **parts)`` returns the loss of one micro-batch. It receives, by keyword,
-whichever of the prepared parts, ``gen``, ``config`` and ``step`` its signature asks for (or all
-of them through ``**kwargs``).
+Example:
+    >>> Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import os
-import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -26,19 +16,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch.utils.data import DataLoader
 
-from litegen.checkpoint.run_state import RunCheckpointer, capture_rng, find_latest, restore_rng
-from litegen.config import MainConfig
-from litegen.data import data_state, load_data_state, to_device
-from litegen.entry import load_entry
+from litegen.checkpoint.run_state import RunCheckpointer
+from litegen.data import to_device
 from litegen.flops import StepThroughput
+from litegen.loggers import check_loggers
 from litegen.loss_guard import LossGuard
+from litegen.memory.stats import peak_memory_since_last_call
 from litegen.metrics import MetricsLogger
 from litegen.readback import Readback
-from litegen.runtime.litegen import LiteGen, initialize
-from litegen.runtime.prepare import preparable_kind
+from litegen.runtime.litegen import LiteGen
+from litegen.trainer.checkpoints import RunCheckpoints
+from litegen.trainer.hints import cast_model_hint
+from litegen.trainer.hooks import TrainingHooks, keyword_filter
+from litegen.trainer.profiling import StepProfiler
 
 log = logging.getLogger("litegen")
 
@@ -54,8 +46,11 @@ class StepResult:
     finite: bool
 
 
-class Trainer:
+class Trainer(RunCheckpoints):
     """Backward, accumulation, clipping, optimizer and scheduler steps, EMA, logs, checkpoints.
+
+    ``sample_fn`` and ``validate_fn`` are the optional hooks of :mod:`litegen.trainer.hooks`,
+    called every ``trainer.sample_every`` and ``trainer.validate_every`` steps.
 
     Example:
         >>> Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
@@ -67,6 +62,9 @@ class Trainer:
         train_step: Callable[..., torch.Tensor],
         parts: dict[str, Any],
         run_info: dict[str, Any] | None = None,
+        *,
+        sample_fn: Callable[..., Any] | None = None,
+        validate_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.gen = gen
         self.config = gen.config
@@ -88,7 +86,7 @@ class Trainer:
         self.models = [m.module for m in gen.models if m.trainable]
         self.step = getattr(self.loader.batch_sampler, "start_step", 0)
         # What train_step receives, chosen once: only ``step`` changes from call to call.
-        accepted = _keyword_filter(train_step)
+        accepted = keyword_filter(train_step)
         self._step_kwargs = accepted({**parts, "gen": gen, "config": self.config})
         self._wants_step = "step" in accepted({"step": None})
         self._autocast = _AUTOCAST.get(self.config.trainer.autocast)
@@ -117,6 +115,16 @@ class Trainer:
             peak_tflops=self.config.trainer.peak_tflops,
             tokens_per_sample=self.config.trainer.tokens_per_sample,
         )
+        # Checked on every rank before training starts: a missing hook or logger package fails
+        # now, not at the first sample or on rank 0 alone.
+        self.hooks = TrainingHooks(gen, parts, sample_fn=sample_fn, validate_fn=validate_fn)
+        check_loggers(self.config.trainer.loggers)
+        profile = self.config.trainer.profile
+        self.profiler = (
+            StepProfiler(profile, Path(self.config.get_results_dir()), gen.device, gen.rank)
+            if profile is not None
+            else None
+        )
 
     # -- one optimizer step -------------------------------------------------------------------
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
@@ -127,7 +135,7 @@ class Trainer:
             try:
                 loss = self.train_step(batch, **kwargs)
             except RuntimeError as exc:
-                hint = _cast_model_hint(self.config, exc)
+                hint = cast_model_hint(self.config, exc)
                 if hint is None:
                     raise
                 raise RuntimeError(f"{exc}\n{hint}") from exc
@@ -222,22 +230,25 @@ class Trainer:
             # those after that draw in the original run, so they go back only now.
             self._restore_rng(self._restore_after_iter)
             self._restore_after_iter = None
-        with MetricsLogger(
-            self.config.get_results_dir(),
-            total_steps=self.config.max_steps,
-            enabled=self.gen.is_main_process,
-            start_step=self.step,
-        ) as metrics:
+        with self._metrics_logger() as metrics:
             # Logged values reach the host behind the step's kernels and are written once they
             # have arrived (litegen/readback.py): a logged step makes the host wait for nothing.
             pending = Readback(self.gen.device)
             window = (pending.start_time, self.step)  # the time and step of the last record
             try:
                 while self.step < self.config.max_steps:
+                    if self.profiler is not None:
+                        self.profiler.before_step(self.step + 1)
                     result = self.run_step(batches)
+                    if self.profiler is not None:
+                        self.profiler.after_step(self.step)
+                    # A hook's step is logged (val_loss, sample files), on every rank alike:
+                    # queuing a record is a collective.
+                    hooked = self.hooks.due(self.step)
+                    extras = self.hooks.run(self.step) if hooked else {}
                     logged = self.step % cfg.log_every == 0 or self.step == self.config.max_steps
-                    if result.finite and logged:
-                        self._queue_record(pending, result)
+                    if (result.finite and logged) or hooked:
+                        self._queue_record(pending, result, extras)
                     metrics.advance(self.step)
                     window = self._write_records(pending, metrics, window, losses, wait=False)
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -257,8 +268,27 @@ class Trainer:
             self.gen.save_diffusers(ema=cfg.export_ema and self.gen.ema is not None)
         return losses
 
-    def _queue_record(self, pending: Readback, result: StepResult) -> None:
-        """Queue a logged step's mean loss (over ranks) and gradient norm for the host."""
+    def _metrics_logger(self) -> MetricsLogger:
+        cfg = self.config.trainer
+        return MetricsLogger(
+            self.config.get_results_dir(),
+            total_steps=self.config.max_steps,
+            enabled=self.gen.is_main_process,
+            start_step=self.step,
+            loggers=cfg.loggers,
+            run_name=self.config.exp_name,
+            wandb=cfg.wandb,
+            run_config=self.config.model_dump(mode="json") if "wandb" in cfg.loggers else None,
+        )
+
+    def _queue_record(
+        self, pending: Readback, result: StepResult, extras: dict[str, Any] | None = None
+    ) -> None:
+        """Queue a logged step's mean loss (over ranks) and gradient norm for the host.
+
+        ``extras`` (the hooks' ``val_loss`` and sample files) and the peak memory since the
+        last record (host-side allocator counters: no device sync) travel with it.
+        """
         loss = result.loss
         if self.gen.world_size > 1:
             loss = loss.clone()
@@ -266,7 +296,8 @@ class Trainer:
         values = loss.reshape(1)
         if result.grad_norm is not None:
             values = torch.stack([loss.reshape(()), result.grad_norm.reshape(())])
-        pending.push(values, (self.step, self.optimizers[0].param_groups[0]["lr"]))
+        host = {**peak_memory_since_last_call(self.gen.device), **(extras or {})}
+        pending.push(values, (self.step, self.optimizers[0].param_groups[0]["lr"], host))
 
     def _write_records(
         self,
@@ -282,7 +313,7 @@ class Trainer:
         Throughput is over the steps since the previous record, timed by when the device
         finished each logged step (no host sync: litegen/readback.py).
         """
-        for (step, lr), device_values, when in pending.ready(wait=wait):
+        for (step, lr, host), device_values, when in pending.ready(wait=wait):
             mean_loss, *grad_norm = device_values
             losses.append(mean_loss)
             values = {"loss": mean_loss}
@@ -290,82 +321,11 @@ class Trainer:
             values["lr"] = lr
             if grad_norm:
                 values["grad_norm"] = grad_norm[0]
-            metrics.log(step, when=when, **values)
+            media = host.pop("media", ())
+            values.update(host)
+            metrics.log(step, when=when, media=media, **values)
             window = (when, step)
         return window
-
-    # -- run checkpoints and resume -----------------------------------------------------------
-    def resume_source(self) -> Path | None:
-        """The run checkpoint :meth:`fit` continues from, the same on every rank (or None).
-
-        After a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) and with ``auto_resume``
-        it is the latest complete one in ``checkpoint_dir``; otherwise ``trainer.resume_run``.
-        """
-        self._resume_checked = True
-        choice: list[str | None] = [None]
-        if self.gen.is_main_process:
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
-            explicit = self.config.trainer.resume_run
-            if restarted or (self.config.auto_resume and not explicit):
-                latest = find_latest(self.config.get_checkpoint_dir())
-                choice[0] = str(latest) if latest else None
-            if choice[0] is None and explicit:
-                choice[0] = explicit
-        # Rank 0 decides: ranks reading the folder at slightly different times must agree.
-        dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
-
-    def resume(self, path: str | Path) -> None:
-        """Continue from a run checkpoint: weights, optimizer, EMA, step, data position, RNG.
-
-        Example:
-            >>> trainer.resume("results/dit/step_1000"); trainer.fit()
-        """
-        self._resume_checked = True
-        state = self.checkpointer.load(path)
-        if len(state["schedulers"]) != len(self.schedulers):
-            raise ValueError(
-                f"run checkpoint {path} holds {len(state['schedulers'])} LR scheduler(s), this "
-                f"run has {len(self.schedulers)}; build the same schedulers to resume."
-            )
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(scheduler_state)
-        self.step = int(state["step"])
-        # The data position (litegen/data/state.py); older checkpoints hold none.
-        load_data_state(self.loader, state.get("data"), self.step)
-        self._restore_after_iter = state
-        log.info("resumed from %s at step %d", path, self.step)
-
-    def _rank_state(self) -> dict[str, Any]:
-        """This rank's part of a run checkpoint (the model side goes through DCP)."""
-        generator = self.loader.generator
-        return {
-            "step": self.step,
-            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
-            "rng": capture_rng(self.gen.device),
-            "loader_generator": generator.get_state() if generator is not None else None,
-            "data": data_state(self.loader, self.step),
-        }
-
-    def _restore_rng(self, state: dict[str, Any]) -> None:
-        restore_rng(state["rng"], self.gen.device)
-        if self.loader.generator is not None and state.get("loader_generator") is not None:
-            self.loader.generator.set_state(state["loader_generator"])
-
-    def save_run_checkpoint(self) -> None:
-        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
-        # Absolute paths: `litegen resume` from any folder continues in the same folders.
-        files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
-        if self.run_info:
-            files["launch.yaml"] = yaml.safe_dump(self.run_info, sort_keys=False)
-        self.checkpointer.save(self.step, self._rank_state(), files)
-
-    def save_checkpoint(self, step: int | None) -> None:
-        """Model, optimizer and (when enabled) EMA files, named by the spec's rules."""
-        self.gen.save_model(step=step)
-        self.gen.save_optimizer(step=step)
-        if self.gen.ema is not None:
-            self.gen.save_ema(step=step)
 
 
 @contextlib.contextmanager
@@ -376,85 +336,4 @@ def _all_of(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None]
         yield
 
 
-def _cast_model_hint(config: MainConfig, exc: RuntimeError) -> str | None:
-    """The fix for a dtype mismatch that ``cast_model`` without autocast causes, if it may be one.
-
-    ``cast_model`` casts the parameters, not the batch, so FP32 inputs reach bf16 weights; torch
-    then names the two dtypes but not the setting behind them. Only torch's plain
-    ``RuntimeError`` naming both FP32 and the cast dtype gets the hint, re-raised with it.
-    """
-    cast = config.optimization.precision.cast_model
-    if type(exc) is not RuntimeError or cast in (None, "fp32") or config.trainer.autocast:
-        return None
-    names = {"bf16": ("BFloat16", "bfloat16"), "fp16": ("Half", "float16")}[cast]
-    message = str(exc)
-    fp32 = re.search(r"\b[Ff]loat(?!16)", message)  # Float, float, FloatTensor; not BFloat16
-    if not (fp32 and any(name in message for name in names)):
-        return None
-    return (
-        f"optimization.precision.cast_model is {cast}: it casts the model's parameters, not the "
-        f"batch. Set trainer.autocast: {cast}, which casts FP32 inputs in the forward, or cast "
-        "the inputs in train_step."
-    )
-
-
-def _keyword_filter(
-    fn: Callable[..., Any], *, skip_first: bool = True
-) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Keep the keyword arguments ``fn`` accepts (all of them if it takes ``**kwargs``)."""
-    params = list(inspect.signature(fn).parameters.values())
-    params = params[1:] if skip_first else params  # train_step's first argument is the batch
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return lambda kwargs: kwargs
-    names = {p.name for p in params}
-    return lambda kwargs: {k: v for k, v in kwargs.items() if k in names}
-
-
-def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None) -> list[float]:
-    """Everything ``litegen launch`` does inside one worker: build, prepare, train, finish.
-
-    The entry module's ``build(config)`` returns a dict of named objects to prepare; they
-    reach ``train_step`` (and an optional ``finish(**parts)`` hook) under the same names.
-
-    Example:
-        >>> run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
-    """
-    module = load_entry(entry, base_dir)
-    gen = initialize(config)
-    built = module.build(config)
-    if not isinstance(built, dict) or not built:
-        raise ValueError(
-            f"build(config) in entry module '{entry}' must return a non-empty dict of named "
-            f"objects to prepare (model, optimizer, dataset, ...), got {type(built).__name__}."
-        )
-    # Models, optimizers and datasets are prepared; anything else (an LR scheduler, a
-    # tokenizer, plain values) reaches train_step unchanged.
-    names = [name for name, obj in built.items() if preparable_kind(obj) is not None]
-    prepared = gen.prepare(*(built[name] for name in names))
-    parts = dict(built)
-    parts.update(zip(names, prepared if len(names) > 1 else [prepared], strict=True))
-    trainer = Trainer(gen, module.train_step, parts, run_info=_launch_info(gen, entry, base_dir))
-    losses = trainer.fit()
-    finish = getattr(module, "finish", None)
-    if callable(finish):
-        kwargs = {**parts, "gen": gen, "config": config, "step": trainer.step}
-        finish(**_keyword_filter(finish, skip_first=False)(kwargs))
-    dist.barrier()
-    return losses
-
-
-def _launch_info(gen: LiteGen, entry: str, base_dir: str | Path | None) -> dict[str, Any]:
-    """The `launch:` fields `litegen resume` needs to start this run again (from torchrun's env)."""
-    info: dict[str, Any] = {
-        "entry": entry,
-        "nproc_per_node": gen.env.local_world_size,
-        "nnodes": gen.env.nnodes,
-    }
-    if base_dir is not None:
-        info["recipe_dir"] = str(Path(base_dir).absolute())
-    if "TORCHELASTIC_MAX_RESTARTS" in os.environ:
-        info["max_restarts"] = int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    return info
-
-
-__all__ = ["Trainer", "run_entry"]
+__all__ = ["StepResult", "Trainer"]

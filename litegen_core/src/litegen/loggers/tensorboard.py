@@ -1,0 +1,46 @@
+"""TensorBoard event files under ``<results_dir>/tensorboard`` (``trainer.loggers: [tensorboard]``).
+
+Scalars go under ``train/<name>``; sample files under ``samples/<file name>``, sent as the
+encoded PNG or GIF itself (TensorBoard's image tab plays GIFs), so no video encoder is needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image
+from tensorboard.compat.proto.summary_pb2 import Summary
+from torch.utils.tensorboard import SummaryWriter
+
+
+class TensorBoardSink:
+    """Example:
+    >>> sink = TensorBoardSink(Path("results/dit/tensorboard")); sink.scalars(1, {"loss": 0.5})
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.writer = SummaryWriter(str(folder))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(f"train/{key}", value, step)
+
+    def media(self, step: int, files: list[Path]) -> None:
+        for path in files:
+            with Image.open(path) as picture:
+                width, height = picture.size
+                channels = len(picture.getbands())
+            image = Summary.Image(
+                height=height,
+                width=width,
+                colorspace=channels,
+                encoded_image_string=path.read_bytes(),
+            )
+            summary = Summary(value=[Summary.Value(tag=f"samples/{path.stem}", image=image)])
+            self.writer.file_writer.add_summary(summary, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+__all__ = ["TensorBoardSink"]

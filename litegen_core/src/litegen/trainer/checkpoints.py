@@ -1,0 +1,102 @@
+"""Run checkpoints of the training loop: save, find the one to continue from, resume exactly.
+
+:class:`~litegen.trainer.loop.Trainer` inherits these methods; they use its ``gen``, ``config``,
+``loader``, ``schedulers``, ``step`` and ``checkpointer`` (litegen/checkpoint/run_state.py).
+
+Example:
+    >>> trainer.resume("results/dit/step_1000"); trainer.fit()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import yaml
+
+from litegen.checkpoint.run_state import capture_rng, find_latest, restore_rng
+from litegen.data import data_state, load_data_state
+
+log = logging.getLogger("litegen")
+
+
+class RunCheckpoints:
+    """The run-checkpoint half of the trainer (module docstring)."""
+
+    def resume_source(self) -> Path | None:
+        """The run checkpoint :meth:`fit` continues from, the same on every rank (or None).
+
+        After a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) and with ``auto_resume``
+        it is the latest complete one in ``checkpoint_dir``; otherwise ``trainer.resume_run``.
+        """
+        self._resume_checked = True
+        choice: list[str | None] = [None]
+        if self.gen.is_main_process:
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+            explicit = self.config.trainer.resume_run
+            if restarted or (self.config.auto_resume and not explicit):
+                latest = find_latest(self.config.get_checkpoint_dir())
+                choice[0] = str(latest) if latest else None
+            if choice[0] is None and explicit:
+                choice[0] = explicit
+        # Rank 0 decides: ranks reading the folder at slightly different times must agree.
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a run checkpoint: weights, optimizer, EMA, step, data position, RNG.
+
+        Example:
+            >>> trainer.resume("results/dit/step_1000"); trainer.fit()
+        """
+        self._resume_checked = True
+        state = self.checkpointer.load(path)
+        if len(state["schedulers"]) != len(self.schedulers):
+            raise ValueError(
+                f"run checkpoint {path} holds {len(state['schedulers'])} LR scheduler(s), this "
+                f"run has {len(self.schedulers)}; build the same schedulers to resume."
+            )
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
+        self.step = int(state["step"])
+        # The data position (litegen/data/state.py); older checkpoints hold none.
+        load_data_state(self.loader, state.get("data"), self.step)
+        self._restore_after_iter = state
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's part of a run checkpoint (the model side goes through DCP)."""
+        generator = self.loader.generator
+        return {
+            "step": self.step,
+            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
+            "rng": capture_rng(self.gen.device),
+            "loader_generator": generator.get_state() if generator is not None else None,
+            "data": data_state(self.loader, self.step),
+        }
+
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        restore_rng(state["rng"], self.gen.device)
+        if self.loader.generator is not None and state.get("loader_generator") is not None:
+            self.loader.generator.set_state(state["loader_generator"])
+
+    def save_run_checkpoint(self) -> None:
+        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
+        # Absolute paths: `litegen resume` from any folder continues in the same folders.
+        files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
+        if self.run_info:
+            files["launch.yaml"] = yaml.safe_dump(self.run_info, sort_keys=False)
+        self.checkpointer.save(self.step, self._rank_state(), files)
+
+    def save_checkpoint(self, step: int | None) -> None:
+        """Model, optimizer and (when enabled) EMA files, named by the spec's rules."""
+        self.gen.save_model(step=step)
+        self.gen.save_optimizer(step=step)
+        if self.gen.ema is not None:
+            self.gen.save_ema(step=step)
+
+
+__all__ = ["RunCheckpoints"]

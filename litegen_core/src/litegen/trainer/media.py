@@ -1,0 +1,76 @@
+"""Sample images and videos as files: a PNG grid of images, an animated GIF grid of videos.
+
+Example:
+    >>> save_samples(torch.rand(8, 3, 32, 32), Path("results/dit/samples/step_100"))
+    [PosixPath('results/dit/samples/step_100/samples.png')]
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MEDIA_SUFFIXES = frozenset({".png", ".gif"})
+"""The files in a samples folder that reach the loggers."""
+
+GIF_FRAME_MS = 125
+
+
+def save_samples(samples: Any, out_dir: Path) -> list[Path]:
+    """Write ``samples`` into ``out_dir`` and return the files written.
+
+    ``samples``: a tensor, array or list of them; ``(N, C, H, W)`` images become
+    ``samples.png``, ``(N, C, T, H, W)`` videos ``samples.gif`` (one grid per frame); a single
+    image ``(C, H, W)`` is one sample. ``C`` is 1, 3 or 4; values in [0, 1], or in [-1, 1]
+    when any is negative.
+    """
+    batch = _as_batch(samples)
+    from PIL import Image  # Pillow: only runs that save samples need it
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if batch.dim() == 4:
+        path = out_dir / "samples.png"
+        Image.fromarray(_grid(batch)).save(path)
+        return [path]
+    # (N, C, T, H, W): one grid per frame.
+    frames = [Image.fromarray(_grid(batch[:, :, t])) for t in range(batch.shape[2])]
+    path = out_dir / "samples.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
+    return [path]
+
+
+def _as_batch(samples: Any) -> torch.Tensor:
+    if isinstance(samples, list | tuple):
+        samples = torch.stack([torch.as_tensor(np.asarray(s)) for s in samples])
+    batch = torch.as_tensor(np.asarray(samples) if not torch.is_tensor(samples) else samples)
+    batch = batch.detach().float().cpu()
+    if batch.dim() == 3:
+        batch = batch.unsqueeze(0)
+    if batch.dim() not in (4, 5) or batch.shape[1] not in (1, 3, 4):
+        raise ValueError(
+            f"sample() returned shape {tuple(batch.shape)}; return images (N, C, H, W) or "
+            "videos (N, C, T, H, W) with C = 1, 3 or 4, or None after writing files to out_dir."
+        )
+    if batch.numel() and batch.min() < 0:
+        batch = (batch + 1) / 2
+    return batch.clamp(0, 1)
+
+
+def _grid(images: torch.Tensor, pad: int = 2) -> np.ndarray:
+    """``(N, C, H, W)`` in [0, 1] -> one ``uint8`` HWC picture, near-square, padded in black."""
+    n, c, h, w = images.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    grid = torch.zeros(c, rows * (h + pad) + pad, cols * (w + pad) + pad)
+    for i in range(n):
+        top, left = pad + (i // cols) * (h + pad), pad + (i % cols) * (w + pad)
+        grid[:, top : top + h, left : left + w] = images[i]
+    picture = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return picture[..., 0] if c == 1 else picture
+
+
+__all__ = ["MEDIA_SUFFIXES", "save_samples"]
