@@ -218,7 +218,9 @@ def main() -> None:
     args.throughput = [t for t in args.throughput.split(",") if t]
     for name in [*args.memory, *args.throughput]:
         if name not in MEMORY and name not in SHAPES:
-            parser.error(f"unknown setting {name!r}; memory: {list(MEMORY)}, shapes: {list(SHAPES)}")
+            parser.error(
+                f"unknown setting {name!r}; memory: {list(MEMORY)}, shapes: {list(SHAPES)}"
+            )
     with tempfile.TemporaryDirectory() as scratch:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
