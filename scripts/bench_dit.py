@@ -1,10 +1,10 @@
 """The same DiT trained through LiteGen and through hand-written PyTorch, in one process group.
 
-Issue 8's benchmark. Both sides use the same model (``dit_model.py``), precision, fused AdamW,
-compile setting and attention backend; LiteGen's side runs the trainer's own step (micro-step,
-finite check, optimizer step, EMA when on), the hand-written side the plain loop a user would
-write. Each side: ``--warmup`` steps, then ``--steps`` steps timed one by one between
-``torch.cuda.synchronize()`` calls; the table shows the median.
+The microbenchmark of workloads A, B and C (benchmarks/README.md). Both sides use the same model
+(``dit_model.py``), precision, fused AdamW, compile setting and attention backend; LiteGen's side
+runs the trainer's own step (micro-step, finite check, optimizer step, EMA when on), the
+hand-written side the plain loop a user would write. Each side: ``--warmup`` steps, then ``--steps``
+steps timed one by one between ``torch.cuda.synchronize()`` calls; the table shows the median.
 
     torchrun --nproc_per_node=2 scripts/bench_dit.py --workload A --strategy fsdp2 --compile
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --strategy ddp --compile

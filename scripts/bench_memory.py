@@ -1,10 +1,10 @@
 """Step time and peak memory of activation checkpointing and offload on the DiT workload.
 
-Issue 4's benchmark, for one H200: DiT-XL shapes (hidden 1152, depth 28, 16 heads, MLP 4,
-adaLN blocks), 4096 tokens per sample, batch 8, bf16 autocast, AdamW. Every configuration runs
-twice: through LiteGen (``apply_memory_optimizations``, the call ``prepare`` makes before the
-strategy wraps the model) and as hand-written PyTorch (``torch.utils.checkpoint`` in the model's
-forward, ``save_on_cpu`` for offload), with the same blocks checkpointed.
+For one H200: DiT-XL shapes (hidden 1152, depth 28, 16 heads, MLP 4, adaLN blocks), 4096 tokens per
+sample, batch 8, bf16 autocast, AdamW. Every configuration runs twice: through LiteGen
+(``apply_memory_optimizations``, the call ``prepare`` makes before the strategy wraps the model) and
+as hand-written PyTorch (``torch.utils.checkpoint`` in the model's forward, ``save_on_cpu`` for
+offload), with the same blocks checkpointed.
 
     uv run --no-sync python scripts/bench_memory.py --out bench_memory.json
     uv run --no-sync python scripts/bench_memory.py --max-seq --out max_seq.json

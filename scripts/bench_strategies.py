@@ -1,4 +1,4 @@
-"""Every parallel strategy through LiteGen and written by hand with plain PyTorch (issue 3).
+"""Every parallel strategy through LiteGen and written by hand with plain PyTorch.
 
 One workload (``bench_dit.py``'s, default A) per strategy: LiteGen's ``prepare`` and trainer step
 against DistributedDataParallel (ddp), ZeroRedundancyOptimizer over DDP (zero1),
