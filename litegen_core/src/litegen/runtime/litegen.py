@@ -287,8 +287,18 @@ class LiteGen(CheckpointAPI):
         raise ValueError("this model was not returned by gen.prepare; pass the prepared model.")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside the strategy's wrapper (for sampling, custom methods)."""
-        return self._entry(model).strategy.unwrap(model)
+        """The user's module inside the strategy's wrapper (for sampling, custom methods).
+
+        An already unwrapped model comes back as it is, so hooks may unwrap what they receive.
+
+        Example:
+            >>> images = gen.unwrap(model).generate(labels)
+        """
+        for entry in self.models:
+            inner = entry.strategy.unwrap(entry.module)
+            if model is entry.module or model is inner:
+                return inner
+        return self._entry(model).strategy.unwrap(model)  # raises, naming the fix
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Skip gradient communication for micro-batches that only accumulate."""
