@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from litegen.checkpoint.files import atomic_write_text
-from litegen.config.sections import WandbConfig
+from litegen.config.training import WandbConfig
 from litegen.loggers import Sink, open_sinks
 from litegen.loggers.progress import ProgressBar, ProgressLines, progress_display, status_of
 

@@ -6,7 +6,8 @@
     config.optimization.parallel.strategy          # "ddp"
 
 ``MainConfig`` lives in :mod:`litegen.config.main`, the ``Config``/``Section`` bases and the
-error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.config.sections`.
+error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.config.sections` (runtime, optimization) and
+:mod:`litegen.config.training` (EMA, trainer).
 The spec's import path, ``litegen.utils.config``, re-exports this package.
 """
 
@@ -17,7 +18,6 @@ from litegen.config.sections import (
     CompileConfig,
     DistributedConfig,
     Dtype,
-    EMAConfig,
     ExperimentalConfig,
     FSDP2Config,
     FSDP2MixedConfig,
@@ -30,9 +30,9 @@ from litegen.config.sections import (
     ParallelConfig,
     PrecisionConfig,
     RuntimeConfig,
-    TrainerConfig,
     Zero1Config,
 )
+from litegen.config.training import EMAConfig, TrainerConfig
 
 __all__ = [
     "ActivationCheckpointConfig",

@@ -26,12 +26,11 @@ from pydantic import Field, field_validator, model_validator
 from litegen.config.base import Config, ConfigError
 from litegen.config.checks import IgnoredOptionWarning, ignored_options, typo_problems
 from litegen.config.sections import (
-    EMAConfig,
     OptimizationConfig,
     RuntimeConfig,
-    TrainerConfig,
     value_at,
 )
+from litegen.config.training import EMAConfig, TrainerConfig
 
 
 class YamlLoader(yaml.SafeLoader):

@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
-from litegen.config.sections import WandbConfig
+from litegen.config.training import WandbConfig
 
 # The package each logger imports, and the extra that installs it.
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

@@ -11,7 +11,7 @@ from typing import Any
 
 import wandb
 
-from litegen.config.sections import WandbConfig
+from litegen.config.training import WandbConfig
 
 
 class WandbSink:

@@ -17,7 +17,8 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from litegen.checkpoint.run_state import capture_rng, find_latest, restore_rng
+from litegen.checkpoint.rng import capture_rng, restore_rng
+from litegen.checkpoint.run_state import find_latest
 from litegen.data import data_state, load_data_state
 
 log = logging.getLogger("litegen")

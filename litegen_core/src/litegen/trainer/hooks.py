@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint.run_state import capture_rng, restore_rng
+from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.runtime.litegen import LiteGen
 from litegen.trainer.media import MEDIA_SUFFIXES, save_samples
 

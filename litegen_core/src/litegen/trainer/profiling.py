@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from litegen.config.sections import ProfileConfig
+from litegen.config.training import ProfileConfig
 
 log = logging.getLogger("litegen")
 
