@@ -27,10 +27,29 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from real_model_inputs import (
+    Batch,
+    cogvideox_conditions,
+    cogvideox_run,
+    dit_conditions,
+    dit_run,
+    flux_conditions,
+    flux_run,
+    hunyuan_conditions,
+    hunyuan_run,
+    ltx_conditions,
+    ltx_run,
+    pixart_conditions,
+    pixart_run,
+    sd3_conditions,
+    sd3_run,
+    unwrapped,
+    wan_conditions,
+    wan_run,
+)
 from torch import nn
 
 Size = Literal["tiny", "reference"]
-Batch = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -121,7 +140,7 @@ class RealModel:
 
     def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The model's velocity prediction at ``noisy = (1 - t) * latents + t * noise``."""
-        config = dict(_unwrapped(model).config)
+        config = dict(unwrapped(model).config)
         dtype = next(model.parameters()).dtype
         batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
         t = batch["t"].view(-1, *[1] * (batch["latents"].ndim - 1))
@@ -137,172 +156,6 @@ class RealModel:
         """Mean squared error of the prediction against :meth:`target`, in fp32."""
         prediction = self.predict(model, batch).float()
         return nn.functional.mse_loss(prediction, self.target(batch).float())
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The diffusers module inside FSDP1's or DDP's wrapper (its ``config`` lives there)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _text(gen: torch.Generator, batch_size: int, tokens: int, dim: int) -> torch.Tensor:
-    return torch.randn(batch_size, tokens, dim, generator=gen)
-
-
-def _text_mask(gen: torch.Generator, batch_size: int, tokens: int) -> torch.Tensor:
-    """1 for real tokens, 0 for padding: each caption keeps at least its first token."""
-    lengths = torch.randint(1, tokens + 1, (batch_size, 1), generator=gen)
-    return (torch.arange(tokens) < lengths).long()
-
-
-def _sample(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output.sample
-
-
-# -- DiT: class-conditional, learned sigma (the prediction's second half) --------------------
-def _dit_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {"class_labels": torch.randint(0, config["num_embeds_ada_norm"], (b,), generator=gen)}
-
-
-def _dit_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(noisy, timestep=t * 1000, class_labels=batch["class_labels"], return_dict=False)
-    return _sample(out)[:, : config["in_channels"]]
-
-
-# -- PixArt-alpha: T5 captions with a padding mask, learned sigma ----------------------------
-def _pixart_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {
-        "text": _text(gen, b, shape.text_tokens, config["caption_channels"]),
-        "text_mask": _text_mask(gen, b, shape.text_tokens),
-    }
-
-
-def _pixart_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(
-        noisy,
-        encoder_hidden_states=batch["text"],
-        encoder_attention_mask=batch["text_mask"],
-        timestep=t * 1000,
-        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        return_dict=False,
-    )
-    return _sample(out)[:, : config["in_channels"]]
-
-
-# -- SD3 (MMDiT): joint text tokens and a pooled CLIP projection -----------------------------
-def _sd3_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {
-        "text": _text(gen, b, shape.text_tokens, config["joint_attention_dim"]),
-        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
-    }
-
-
-def _sd3_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(
-        noisy,
-        encoder_hidden_states=batch["text"],
-        pooled_projections=batch["pooled"],
-        timestep=t * 1000,
-        return_dict=False,
-    )
-    return _sample(out)
-
-
-# -- Flux: 2x2 latent patches packed into tokens, positions as 3-axis ids, distilled guidance -
-def _flux_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {
-        "text": _text(gen, b, shape.text_tokens, config["joint_attention_dim"]),
-        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
-        "guidance": torch.full((b,), 3.5),
-    }
-
-
-def _flux_run(model, config, noisy, t, batch) -> torch.Tensor:
-    b, c, h, w = noisy.shape
-    tokens = noisy.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    tokens = tokens.reshape(b, (h // 2) * (w // 2), c * 4)
-    img_ids = torch.zeros(h // 2, w // 2, 3)
-    img_ids[..., 1] = torch.arange(h // 2)[:, None]
-    img_ids[..., 2] = torch.arange(w // 2)[None, :]
-    out = model(
-        tokens,
-        encoder_hidden_states=batch["text"],
-        pooled_projections=batch["pooled"],
-        timestep=t,  # Flux scales its timestep by 1000 itself
-        img_ids=img_ids.view(-1, 3).to(tokens),
-        txt_ids=torch.zeros(batch["text"].shape[1], 3).to(tokens),
-        guidance=batch["guidance"] if config["guidance_embeds"] else None,
-        return_dict=False,
-    )
-    unpacked = _sample(out).view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return unpacked.reshape(b, c, h, w)
-
-
-# -- Wan 2.1: umT5 text tokens, video latents (b, c, f, h, w) -------------------------------
-def _wan_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {"text": _text(gen, b, shape.text_tokens, config["text_dim"])}
-
-
-def _wan_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(noisy, timestep=t * 1000, encoder_hidden_states=batch["text"], return_dict=False)
-    return _sample(out)
-
-
-# -- CogVideoX: frames before channels (b, f, c, h, w), text of max_text_seq_length tokens ----
-def _cogvideox_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {"text": _text(gen, b, shape.text_tokens, config["text_embed_dim"])}
-
-
-def _cogvideox_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(noisy, encoder_hidden_states=batch["text"], timestep=t * 1000, return_dict=False)
-    return _sample(out)
-
-
-# -- HunyuanVideo: LLaMA text with a mask, pooled CLIP, distilled guidance -------------------
-def _hunyuan_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {
-        "text": _text(gen, b, shape.text_tokens, config["text_embed_dim"]),
-        "text_mask": _text_mask(gen, b, shape.text_tokens),
-        "pooled": torch.randn(b, config["pooled_projection_dim"], generator=gen),
-        "guidance": torch.full((b,), 6.0 * 1000),
-    }
-
-
-def _hunyuan_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(
-        noisy,
-        timestep=t * 1000,
-        encoder_hidden_states=batch["text"],
-        encoder_attention_mask=batch["text_mask"],
-        pooled_projections=batch["pooled"],
-        guidance=batch["guidance"] if config["guidance_embeds"] else None,
-        return_dict=False,
-    )
-    return _sample(out)
-
-
-# -- LTX-Video: latents flattened to tokens (patch size 1), T5 text with a mask --------------
-def _ltx_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generator) -> Batch:
-    return {
-        "text": _text(gen, b, shape.text_tokens, config["caption_channels"]),
-        "text_mask": _text_mask(gen, b, shape.text_tokens),
-    }
-
-
-def _ltx_run(model, config, noisy, t, batch) -> torch.Tensor:
-    b, c, f, h, w = noisy.shape
-    out = model(
-        noisy.flatten(2).transpose(1, 2),
-        encoder_hidden_states=batch["text"],
-        timestep=t * 1000,
-        encoder_attention_mask=batch["text_mask"],
-        num_frames=f,
-        height=h,
-        width=w,
-        return_dict=False,
-    )
-    return _sample(out).transpose(1, 2).reshape(b, c, f, h, w)
 
 
 # Tiny configs: 2 heads of 16 (hidden 32), two of each repeated block (so block detection and
@@ -340,8 +193,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(32, 32),
             tiny_shape=LatentShape(8, 8),
             latent_layout="bchw",
-            conditions=_dit_conditions,
-            run=_dit_run,
+            conditions=dit_conditions,
+            run=dit_run,
         ),
         RealModel(
             name="pixart",
@@ -376,8 +229,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(64, 64, text_tokens=120),
             tiny_shape=LatentShape(8, 8, text_tokens=6),
             latent_layout="bchw",
-            conditions=_pixart_conditions,
-            run=_pixart_run,
+            conditions=pixart_conditions,
+            run=pixart_run,
         ),
         RealModel(
             name="sd3",
@@ -411,8 +264,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(128, 128, text_tokens=333),
             tiny_shape=LatentShape(8, 8, text_tokens=6),
             latent_layout="bchw",
-            conditions=_sd3_conditions,
-            run=_sd3_run,
+            conditions=sd3_conditions,
+            run=sd3_run,
         ),
         RealModel(
             name="flux",
@@ -444,8 +297,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(128, 128, text_tokens=512),
             tiny_shape=LatentShape(8, 8, text_tokens=6),
             latent_layout="bchw",
-            conditions=_flux_conditions,
-            run=_flux_run,
+            conditions=flux_conditions,
+            run=flux_run,
             latent_channels_per_input=1 / 4,
         ),
         RealModel(
@@ -481,8 +334,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(60, 104, frames=21, text_tokens=512),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bcfhw",
-            conditions=_wan_conditions,
-            run=_wan_run,
+            conditions=wan_conditions,
+            run=wan_run,
         ),
         RealModel(
             name="cogvideox",
@@ -520,8 +373,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(60, 90, frames=13, text_tokens=226),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bfchw",
-            conditions=_cogvideox_conditions,
-            run=_cogvideox_run,
+            conditions=cogvideox_conditions,
+            run=cogvideox_run,
         ),
         RealModel(
             name="hunyuan_video",
@@ -563,8 +416,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(90, 160, frames=33, text_tokens=256),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bcfhw",
-            conditions=_hunyuan_conditions,
-            run=_hunyuan_run,
+            conditions=hunyuan_conditions,
+            run=hunyuan_run,
         ),
         RealModel(
             name="ltx_video",
@@ -597,8 +450,8 @@ REAL_MODELS: dict[str, RealModel] = {
             reference_shape=LatentShape(16, 22, frames=21, text_tokens=128),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bcfhw",
-            conditions=_ltx_conditions,
-            run=_ltx_run,
+            conditions=ltx_conditions,
+            run=ltx_run,
         ),
     )
 }
