@@ -1,4 +1,4 @@
-"""Route a model's GELU MLPs through the fused op (``optimization.kernels.fused_gelu_mlp``).
+"""Route a model's GELU MLPs through the fused op (``optimization.experimental.fused_gelu_mlp``).
 
 :func:`apply_fused_gelu_mlp` changes only MLPs it can prove compute exactly
 ``fc2(gelu_tanh(fc1(x)))``:
