@@ -23,7 +23,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from launch_vs_hand import compare  # noqa: E402
 
-STEPS = 1200
+STEPS = 800
 WARMUP = 200
 WINDOW = 100
 MIN_RATIO = 0.9
