@@ -57,6 +57,8 @@ class Strategy:
     # True when the strategy applies optimization.optimizer.fp32_master_weights; the others
     # ignore it with a warning (configure_optimizer's, which names the strategies that do).
     master_weights: ClassVar[bool] = False
+    # True when each rank holds only a shard of the parameters, so a forward is collective.
+    shards_parameters: ClassVar[bool] = False
 
     def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
         self.plan = plan

@@ -82,6 +82,7 @@ class Fsdp1Strategy(Strategy):
 
     # Parameters are views into flat shards, so the EMA is an FP32 copy wrapped the same way.
     ema_from_copy: ClassVar[bool] = True
+    shards_parameters: ClassVar[bool] = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         modules = dict(model.named_modules())

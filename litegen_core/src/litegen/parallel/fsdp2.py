@@ -86,6 +86,7 @@ class Fsdp2Strategy(Strategy):
 
     # The master step handles DTensor shards through to_local() (see litegen.optim).
     master_weights: ClassVar[bool] = True
+    shards_parameters: ClassVar[bool] = True
 
     def mesh(self) -> DeviceMesh:
         return dp_mesh(self.plan)

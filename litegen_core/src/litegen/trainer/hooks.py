@@ -38,9 +38,6 @@ from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.runtime.litegen import LiteGen
 from litegen.trainer.media import MEDIA_SUFFIXES, save_samples
 
-# Strategies whose trainable models are whole on every rank: one rank can sample alone.
-_REPLICATED = frozenset({"ddp", "zero1", "zero2"})
-
 
 def keyword_filter(
     fn: Callable[..., Any], *, skip_first: bool = True
@@ -105,8 +102,9 @@ class TrainingHooks:
         self.sample_every, self.validate_every = cfg.sample_every, cfg.validate_every
         self.samples_dir = Path(gen.config.get_results_dir()) / "samples"
         self.models = [m.module for m in gen.models if m.trainable]
+        # Whole models on every rank (ddp, zero1, zero2): one rank can sample alone.
         sharded = gen.plan.sp_size > 1 or any(
-            m.strategy.name not in _REPLICATED for m in gen.models if m.trainable
+            m.strategy.shards_parameters for m in gen.models if m.trainable
         )
         self._sample_here = sharded or gen.is_main_process
         # Rank 0 samples alone: it gets the user's modules, since a wrapper's forward (DDP's
