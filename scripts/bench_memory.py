@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dit_model import DiT, DiTConfig, compile_blocks_by_hand, release, sample_batch, sync
+from length_search import longest
 
 from litegen.compile import compile_blocks
 from litegen.config import CompileConfig, MemoryConfig
@@ -216,24 +217,18 @@ def fits(cfg: DiTConfig, case: str, tokens: int, device: torch.device, model, op
 
 
 def longest_sequence(args, cfg: DiTConfig, case: str, device: torch.device) -> dict:
-    """Double the sequence until a step runs out of memory, then bisect to ``--seq-step``."""
+    """The most tokens a step fits, to ``--seq-step`` (:func:`length_search.longest`)."""
     model, optimizer, _ = build(cfg, case, "litegen", device, args.compile)
     train_step(model, optimizer, sample_batch(cfg, 1, args.seq_step, device), device)  # Adam state
-    good, bad = 0, None
-    tokens = args.seq_start
-    while tokens <= args.seq_cap:
+
+    def probe(tokens: int) -> bool:
         print(f"  {case}: {tokens} tokens ...", flush=True)
-        if not fits(cfg, case, tokens, device, model, optimizer):
-            bad = tokens
-            break
-        good, tokens = tokens, tokens * 2
-    while bad is not None and bad - good > args.seq_step:
-        mid = (good + bad) // 2 // args.seq_step * args.seq_step
-        print(f"  {case}: {mid} tokens ...", flush=True)
-        good, bad = (mid, bad) if fits(cfg, case, mid, device, model, optimizer) else (good, mid)
-    del model, optimizer
+        return fits(cfg, case, tokens, device, model, optimizer)
+
+    good = longest(probe, args.seq_start, args.seq_step, args.seq_cap)
+    model = optimizer = None  # frees them before release (probe's cells point here too)
     release(device, reset_compile=False)
-    return {"case": case, "max_tokens": good, "capped": bad is None}
+    return {"case": case, "max_tokens": good, "capped": good >= args.seq_cap}
 
 
 def main() -> None:

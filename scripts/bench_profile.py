@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from dit_model import DiTConfig, ms_per_call, sync
-from trace_kernels import kernel_category, load_kernels
+from trace_kernels import kernel_category, load_kernels, union_us
 
 from litegen.kernels.attention import BACKENDS, attention_context
 
@@ -83,15 +83,6 @@ def attention_sweep(cfg: DiTConfig, tokens: int, batch: int, device: torch.devic
     return rows
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
 def profile_summary(
     runner,
     batch,
@@ -137,8 +128,8 @@ def profile_summary(
         if category == "elementwise/other":
             other[e["name"][:80]] = other.get(e["name"][:80], 0.0) + e["dur"]
         spans[category == "communication"].append((e["ts"], e["ts"] + e["dur"]))
-    compute_us = _union_us(spans[False])
-    all_us = _union_us(spans[False] + spans[True])
+    compute_us = union_us(spans[False])
+    all_us = union_us(spans[False] + spans[True])
     summary = {name: us / steps / 1e3 for name, us in sorted(busy.items())}
     summary["exposed_communication"] = (all_us - compute_us) / steps / 1e3
     summary["idle"] = max(wall_us - all_us, 0.0) / steps / 1e3

@@ -29,9 +29,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from length_search import longest
 
 HERE = Path(__file__).resolve().parent
 RECIPE = HERE / "sp_dry_run.yaml"
@@ -45,37 +46,6 @@ MEMORY = {
 }
 SHAPES = {"480p": (60, 104), "720p": (90, 160)}  # latent height, width (VAE factor 8)
 THROUGHPUT_FRAMES = 21  # 81 video frames: 21 x 30 x 52 = 32,760 tokens at 480p, 75,600 at 720p
-
-
-def longest(fits: Callable[[int], bool], start: int, step: int, limit: int) -> int:
-    """The most frames for which ``fits`` holds (0 if none): doubling, then bisection to ``step``.
-
-    Assumes memory grows with frames, so once a length fails every longer one fails.
-
-    Example:
-        >>> longest(lambda frames: frames <= 37, start=4, step=4, limit=400)
-        36
-    """
-    good, bad = 0, None
-    frames = start
-    while frames <= limit:
-        if not fits(frames):
-            bad = frames
-            break
-        good, frames = frames, frames * 2
-    if bad is None:
-        if good < limit and fits(limit):
-            return limit
-        bad = min(frames, limit)
-    while bad - good > step:
-        middle = (good + bad) // 2 // step * step or step
-        if middle <= good:
-            break
-        if fits(middle):
-            good = middle
-        else:
-            bad = middle
-    return good
 
 
 class Launcher:

@@ -18,17 +18,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from trace_kernels import union_us
+
 GAP_US = 20.0  # shorter GPU gaps are launch latency between queued kernels
 TOP_KERNELS = 8
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
 
 
 def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
@@ -49,7 +42,7 @@ def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
     wall_us = max(stop for _, stop in spans) - min(start for start, _ in spans)
     syncs = [e for e in timed if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
     sync_us = sum(e["dur"] for e in syncs)
-    busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    busy_us = union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     gaps = []
     for before, after in pairwise(kernels):
         gap = after["ts"] - (before["ts"] + before["dur"])

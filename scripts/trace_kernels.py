@@ -38,6 +38,21 @@ KERNEL_CATEGORIES = (
 )
 
 
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, stop) intervals.
+
+    Example:
+        >>> union_us([(0, 10), (5, 20), (30, 31)])
+        21.0
+    """
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 def kernel_category(name: str) -> str:
     """The :data:`KERNEL_CATEGORIES` entry a kernel name falls in, or ``elementwise/other``."""
     lowered = name.lower()

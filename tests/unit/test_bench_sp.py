@@ -7,7 +7,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from bench_sp import SHAPES, THROUGHPUT_FRAMES, longest, throughput, tokens
+from bench_sp import SHAPES, THROUGHPUT_FRAMES, throughput, tokens
+from length_search import longest
 
 
 @pytest.mark.parametrize("limit", [0, 3, 4, 5, 17, 36, 37, 63, 64, 100, 399, 400, 1000])
