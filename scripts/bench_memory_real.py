@@ -23,8 +23,9 @@ the peak is ``max_memory_allocated`` over the timed steps. Variants:
 ``--longest`` searches the most frames one training step fits, for no checkpointing, full
 checkpointing, and full checkpointing + offload: a peak measured at a few frames (the table's,
 this run's or ``--seed-from`` an earlier one's, else a seed probe's) predicts the limit with
-memory linear in frames, then probes, each in its own process, bisect to ``--frame-step``
-frames (finer for short limits; out of memory = too long). ``--memory-limit-gib``
+memory linear in frames; each probe that fits corrects the line (a secant through the two
+longest fits), and once one fails the search bisects to ``--frame-step`` frames (finer for
+short limits; out of memory = too long). Each probe runs in its own process. ``--memory-limit-gib``
 caps what each probe may allocate (``torch.cuda.set_per_process_memory_fraction``), emulating a
 smaller device so that probes stay short; the ratio between the three is what the search shows.
 Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
@@ -367,6 +368,18 @@ def run_table(runner: Runner, variants: list[str], frames: int) -> list[dict[str
     return rows
 
 
+def _predict(points: list[tuple[int, float]], resident: float, limit: float) -> int:
+    """Frames at which the peak reaches ``limit``: a line through the two longest fits.
+
+    With one fit the line goes through the memory resident before the step (0 frames). The
+    peak is only piecewise linear in frames (which phase of the step sets it changes with
+    length), so each new fit corrects the line: a secant search.
+    """
+    (f0, p0), (f1, p1) = [(0, resident), *sorted(points)][-2:]
+    per_frame = (p1 - p0) / (f1 - f0)
+    return int(f1 + (limit - p1) / per_frame) if per_frame > 0 else f1
+
+
 def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[str, Any]:
     """The most frames (a multiple of ``--frame-step``) one step of ``variant`` fits."""
     a = runner.args
@@ -378,15 +391,15 @@ def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[s
     limit = a.memory_limit_gib or seed.get("total_gib")
     if seed.get("fits") and (seed.get("peak_gib") is None or seed["peak_gib"] <= (limit or 0)):
         lo = seed["frames"]
-    guess = a.max_frames
-    if seed.get("fits") and seed.get("peak_gib") is not None and limit:
-        per_frame = (seed["peak_gib"] - seed["resident_gib"]) / seed["frames"]
-        guess = int((limit - seed["resident_gib"]) / per_frame)
+    measured = seed.get("fits") and seed.get("peak_gib") is not None and limit
+    points = [(seed["frames"], seed["peak_gib"])] if measured else []
+    resident = seed.get("resident_gib") or 0.0
+    guess = _predict(points, resident, limit) if measured else a.max_frames
     step = min(a.frame_step, max(1, guess // 8))  # short limits get finer steps
-    guess = max(step, min(a.max_frames, guess // step * step))
     while len(probes) < a.probes + 1 and not runner.out_of_time():
         if hi is None:
-            frames = guess if guess > lo else lo + max(step, (lo // 4) // step * step)
+            predicted = _predict(points, resident, limit) if points else a.max_frames
+            frames = max(min(predicted, a.max_frames) // step * step, lo + step)
         else:
             frames = (lo + hi) // 2 // step * step
             if frames <= lo:
@@ -397,6 +410,8 @@ def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[s
         probes.append(row)
         if row.get("fits"):
             lo = frames
+            if row.get("peak_gib") is not None:
+                points.append((frames, row["peak_gib"]))
         else:
             hi = frames
         if hi is not None and hi - lo <= step:

@@ -261,3 +261,34 @@ def test_trainer_logs_tokens_per_second_and_mfu(tmp_path):
         assert record["tokens_per_s"] == pytest.approx(5 * record["samples_per_s"])
         assert record["tokens_per_s_per_gpu"] == record["tokens_per_s"]  # one rank
         assert record["mfu"] > 0
+
+
+def _trained_flops(tmp_path, memory: dict) -> float:
+    config = MainConfig.from_dict(
+        {
+            "runtime": {"device": "cpu"},
+            "results_dir": str(tmp_path),
+            "global_batch_size": 2,
+            "max_steps": 3,
+            "trainer": {"log_every": 1, "save_final": False, "peak_tflops": 1e-6},
+            "optimization": {"memory": memory},
+        }
+    )
+    gen = litegen.initialize(config)
+    torch.manual_seed(0)
+    net = Net()
+    data = [(torch.randn(8, 16), 0) for _ in range(8)]
+    net, optimizer, loader = gen.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), data)
+    step = lambda batch, model: model(batch[0])  # noqa: E731
+    trainer = Trainer(gen, step, {"model": net, "optimizer": optimizer, "loader": loader})
+    trainer.fit()
+    return trainer.throughput.flops_per_step_per_gpu
+
+
+def test_auto_checkpointing_counts_a_training_step_not_its_measuring_step(tmp_path):
+    # The measuring step runs every block a second time (counted, dropped) and checkpointed
+    # (recomputed in backward); a budget this large then checkpoints nothing.
+    auto = {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": 1.0}
+    plain = _trained_flops(tmp_path / "plain", {})
+    assert plain > 0
+    assert _trained_flops(tmp_path / "auto", {"activation_checkpoint": auto}) == plain

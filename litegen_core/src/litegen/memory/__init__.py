@@ -54,6 +54,11 @@ class MemoryReport:
     offloaded: list[str] = field(default_factory=list)
     planner: BudgetPlanner | None = None  # selective_ratio auto
 
+    @property
+    def measuring(self) -> bool:
+        """Whether ``selective_ratio: auto`` is still measuring its first step."""
+        return self.planner is not None and self.planner.measuring
+
     def describe(self) -> str:
         """One log line, e.g. ``checkpointed 2 of 4 blocks (policy block): b.1, b.3; offload on``."""
         offload = (

@@ -138,6 +138,11 @@ class BudgetPlanner:
         for block in blocks.values():
             block.checkpoint, block.offload, block.meter = True, False, self
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the step under way is the measuring one (its extra forwards are not training's)."""
+        return not self._stepped
+
     def _optimizer_step(self, *_: Any) -> None:
         # Steps before this model's first forward (another model's optimizer) end nothing.
         self._stepped = self._measured.forwards > 0

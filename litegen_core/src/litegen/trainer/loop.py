@@ -105,7 +105,7 @@ class Trainer(RunCheckpoints):
         )
         self._resume_checked = False
         self._restore_after_iter: dict[str, Any] | None = None
-        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first step.
+        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on a first step.
         self.throughput = StepThroughput(
             gen.unwrap(self.models[0]) if self.models else None,
             device=gen.device,
@@ -149,7 +149,11 @@ class Trainer(RunCheckpoints):
 
     def _micro_contexts(self, last: bool) -> contextlib.AbstractContextManager:
         """FLOP counting (first step), ``no_sync`` (all but the last micro-batch), autocast."""
-        contexts = [self.throughput.count()] if self.throughput.counting else []
+        # The auto planner's first step runs extra forwards: counting waits for a training step.
+        counting = self.throughput.counting and not any(
+            entry.memory is not None and entry.memory.measuring for entry in self.gen.models
+        )
+        contexts = [self.throughput.count()] if counting else []
         if not last:
             contexts += [self.gen.no_sync(model) for model in self.models]
         if self._autocast is not None:
