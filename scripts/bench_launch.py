@@ -10,7 +10,8 @@ in its own process, alternating, ``--repeats`` times. A side's samples/s is the 
 per-step rates over steps ``(--first, --last]`` (the best repeat); launch logs every step
 (``trainer.log_every: 1``, which costs it no host sync), the hand loop reads its loss every
 ``--hand-log-every`` steps as a user would and times each step with CUDA events. Peak memory is
-``torch.cuda.max_memory_allocated`` of each side's whole run. Both sides compile the same
+``torch.cuda.max_memory_allocated`` of each side's whole run (launch: the largest peak of its
+log, since the trainer resets the peak at every log). Both sides compile the same
 graphs, so the second reuses inductor's caches.
 
     python3 scripts/bench_launch.py --out bench_launch.json                       # GPU

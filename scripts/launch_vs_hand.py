@@ -69,6 +69,9 @@ def run_side(
     records = [json.loads(line) for line in lines if line.strip()]
     summary_file = results / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    logged = [r["peak_allocated_gib"] for r in records if r.get("peak_allocated_gib") is not None]
+    if logged:  # the trainer resets the peak at every log: the run's peak is the largest logged
+        summary["peak_memory_gib"] = max([*logged, summary.get("peak_memory_gib") or 0.0])
     return records, summary
 
 

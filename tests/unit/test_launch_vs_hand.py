@@ -1,13 +1,16 @@
 """The launch-vs-hand comparison cuts both sides' records into the same windows."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from launch_vs_hand import window_rates
+from launch_vs_hand import run_side, window_rates
 
 
 def per_step(seconds: list[float], batch: int = 4) -> list[dict]:
@@ -35,3 +38,18 @@ def test_windows_cut_by_the_range_or_by_records_are_left_out():
     seconds = [0.1] * 9
     assert len(window_rates(per_step(seconds), first=0, last=9, window=4)) == 2  # 9 = 4 + 4 + 1
     assert window_rates(per_window(seconds, 3), first=0, last=9, window=2) == []
+
+
+def test_the_launch_sides_peak_is_the_largest_logged_one(tmp_path):
+    # The trainer resets the peak at every log, so what the entry's finish reads at the end
+    # (summary.json) misses the steps before the last log.
+    def fake_run(command, **_):
+        records = [{"step": 1, "peak_allocated_gib": 40.0}, {"step": 2, "peak_allocated_gib": 41.5}]
+        (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+        (tmp_path / "summary.json").write_text(json.dumps({"peak_memory_gib": 18.6}))
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    with mock.patch("launch_vs_hand.subprocess.run", fake_run):
+        records, summary = run_side("launch", tmp_path / "recipe.yaml", tmp_path)
+    assert len(records) == 2
+    assert summary["peak_memory_gib"] == 41.5
