@@ -5,11 +5,11 @@ step's time: ``flops_per_step_per_gpu / step_seconds / peak_flops``.
 
 FLOPs per step come from the model when it says (``flops_per_sample()``: training FLOPs of one
 sample, forward and backward) or are counted by :class:`FlopCounter` (``FlopCounterMode``) on the
-first training step's forward and backward (with ``selective_ratio: auto``, the second: the first
-measures the blocks with forwards of its own). Counting sees every matmul and attention op that runs,
-including frozen encoders in ``train_step`` and, with activation checkpointing, the recomputed
-forward, so then the figure is hardware FLOPs utilisation; give ``flops_per_sample()`` for strict
-model FLOPs.
+first training step's forward and backward (with ``selective_ratio: auto``, the second step: the
+first runs extra forwards to measure the blocks). Counting sees every matmul and attention op
+that runs, including frozen encoders in ``train_step`` and, with activation checkpointing, the
+recomputed forward, so then the figure is hardware FLOPs utilisation; give
+``flops_per_sample()`` for strict model FLOPs.
 
 Counting runs compiled regions compiled (:mod:`litegen.flop_counter`).
 

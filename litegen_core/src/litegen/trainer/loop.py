@@ -105,7 +105,7 @@ class Trainer(RunCheckpoints):
         )
         self._resume_checked = False
         self._restore_after_iter: dict[str, Any] | None = None
-        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on a first step.
+        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first training step.
         self.throughput = StepThroughput(
             gen.unwrap(self.models[0]) if self.models else None,
             device=gen.device,
