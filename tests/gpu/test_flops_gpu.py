@@ -6,52 +6,32 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from litegen.compile import compile_blocks
 from litegen.flops import FlopCounter
 from litegen.utils.config import CompileConfig
+from tests.gpu.nets import BATCH, HIDDEN, TOKENS, Block
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-HIDDEN, TOKENS, BATCH, DEPTH = 256, 2048, 8, 8
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.mlp = nn.Sequential(
-            nn.Linear(HIDDEN, 4 * HIDDEN),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(4 * HIDDEN, HIDDEN),
-        )
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        h = self.norm(x) * (1 + cond.unsqueeze(1))
-        q, k, v = self.qkv(h).view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.norm(x))
+DEPTH = 8
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.cond = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.SiLU())
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(Block("tanh") for _ in range(DEPTH))
         self.head = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cond = self.cond(x.mean(1))
         for block in self.blocks:
-            x = block(x, cond)
+            x = block(x, cond=cond)
         return self.head(x).square().mean()
 
 

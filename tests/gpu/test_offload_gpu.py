@@ -4,36 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import MemoryConfig
+from tests.gpu.nets import BATCH, HIDDEN, TOKENS, Block
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-HIDDEN, TOKENS, BATCH, DEPTH = 256, 2048, 8, 16
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.mlp = nn.Sequential(
-            nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN)
-        )
-
-    def forward(self, x: torch.Tensor, *, cond: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        h = self.norm(x) * (1 + cond.unsqueeze(1))
-        q, k, v = self.qkv(h).view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.norm(x))
+DEPTH = 16
 
 
 class Net(nn.Module):
