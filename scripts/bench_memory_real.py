@@ -132,13 +132,17 @@ def _shape(opts: dict[str, Any], frames: int) -> Any:
 def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) -> Any:
     """Checkpointing, offload and regional compile for ``variant``; LiteGen's report or None."""
     import torch
+    from hand_loop import correct_gradient_options
     from torch import nn
 
     backend = opts["backend"]
     dynamic = opts["dynamic"]
     if variant.hand:
         for block in model.blocks:
-            block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
+            options = correct_gradient_options() if backend == "inductor" else None
+            block.forward = torch.compile(
+                block.forward, backend=backend, dynamic=dynamic, options=options
+            )
         if variant.hand_checkpoint:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,

@@ -7,9 +7,12 @@ torch.compile(block.forward)``, no LiteGen code); and through LiteGen's ``compil
 prints each side's loss and gradient norm per step and the parameters whose first-step gradients
 differ most from eager's, and exits 1 when a compiled side's first-step gradients differ from
 eager's by more than ``--tolerance`` (relative, all parameters together). The two compiled sides
-tell a torch problem (both differ) from a LiteGen one (only LiteGen's differs).
+tell a torch problem (both differ) from a LiteGen one (only LiteGen's differs). The hand side uses
+``torch.compile``'s defaults, so it shows the torch bugs that LiteGen's compile settings avoid
+(on CUDA with torch 2.10 or later, inductor's mix-order reduction; ``litegen/compile.py``).
 
     python3 scripts/compile_grad_check.py --model wan --frames 5                    # GPU, bf16
+    python3 scripts/compile_grad_check.py --model wan --frames 5 --sides hand --part attn1
     uv run --locked python scripts/compile_grad_check.py --device cpu --tiny --model wan  # smoke
 """
 
@@ -48,8 +51,8 @@ def train(args: argparse.Namespace, side: str) -> dict[str, Any]:
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     if side == "hand":
         for path in repeated_blocks(model):
-            block = model.get_submodule(path)
-            block.forward = torch.compile(block.forward, backend=backend)
+            target = model.get_submodule(path).get_submodule(args.part)
+            target.forward = torch.compile(target.forward, backend=backend)
     elif side == "litegen":
         compile_blocks(
             model, CompileConfig(enabled=True), backend=None if backend == "inductor" else backend
@@ -57,7 +60,7 @@ def train(args: argparse.Namespace, side: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
-        if device.type == "cuda"
+        if device.type == "cuda" and not args.fp32
         else nullcontext()
     )
     out: dict[str, Any] = {"loss": [], "grad_norm": []}
@@ -94,11 +97,23 @@ def main() -> int:
         "--backend", help="torch.compile backend (default: inductor; cpu: aot_eager)"
     )
     parser.add_argument("--tolerance", type=float, default=0.1)
+    parser.add_argument(
+        "--sides", default=",".join(SIDES), help="comma-separated, from eager,hand,litegen"
+    )
+    parser.add_argument(
+        "--part",
+        default="",
+        help="compile only this submodule of each block on the hand side (e.g. attn1, ffn)",
+    )
+    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast on the GPU")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     runs = {}
-    for side in SIDES:
+    sides = ["eager", *(s for s in args.sides.split(",") if s != "eager")]
+    if unknown := set(sides) - set(SIDES):
+        parser.error(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
+    for side in sides:
         runs[side] = train(args, side)
         if args.device == "cuda":
             torch.cuda.empty_cache()

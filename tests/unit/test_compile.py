@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch._inductor import config as inductor_config
 
-from litegen.compile import compile_blocks, inductor_options, is_compiled
+from litegen.compile import compile_blocks, compile_kwargs, inductor_options, is_compiled
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import CompileConfig, MemoryConfig
 
@@ -197,3 +198,24 @@ def test_nested_inductor_options_become_dotted_names():
 def test_mode_needs_inductor():
     with pytest.raises(ValueError, match="inductor"):
         compile_blocks(make(), CompileConfig(enabled=True, mode="max-autotune"), backend="eager")
+
+
+@pytest.mark.skipif(
+    not hasattr(inductor_config.triton, "mix_order_reduction"),
+    reason="this torch has no mix-order reduction",
+)
+def test_inductor_compiles_without_mix_order_reduction_unless_the_user_turns_it_on(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", raising=False)
+    off = {"triton.mix_order_reduction": False}
+    assert compile_kwargs(CompileConfig(enabled=True)) == {"dynamic": False, "options": off}
+    # torch.compile takes a mode or options: the mode is passed as the options it stands for
+    tuned = compile_kwargs(CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
+    assert "mode" not in tuned
+    assert tuned["options"] == {"max_autotune": True, "coordinate_descent_tuning": True} | off
+    on = {"triton": {"mix_order_reduction": True}}
+    assert compile_kwargs(CompileConfig(enabled=True, options=on))["options"] == {
+        "triton.mix_order_reduction": True
+    }
+    assert "options" not in compile_kwargs(CompileConfig(enabled=True), backend="aot_eager")
+    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "1")
+    assert "options" not in compile_kwargs(CompileConfig(enabled=True))

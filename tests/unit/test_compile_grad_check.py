@@ -15,7 +15,15 @@ from compile_grad_check import difference, train
 
 def _args(backend) -> argparse.Namespace:
     return argparse.Namespace(
-        model="dit", device="cpu", tiny=True, frames=None, steps=2, lr=1e-3, backend=backend
+        model="dit",
+        device="cpu",
+        tiny=True,
+        frames=None,
+        steps=2,
+        lr=1e-3,
+        backend=backend,
+        part="",
+        fp32=False,
     )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 import litegen
 from litegen import flops
 from litegen.compile import compile_blocks
+from litegen.flop_counter import call_compiled
 from litegen.flops import FlopCounter, StepThroughput, mfu, peak_flops, throughput
 from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
@@ -147,6 +150,44 @@ def test_composite_ops_count_through_their_decomposition():
     with torch.inference_mode(), FlopCounter() as counter:  # linear reaches the mode whole
         layer(torch.randn(16, 8))
     assert counter.flops == 2 * 16 * 8 * 4
+
+
+def test_counting_a_compiled_region_leaves_autocast_casts_real():
+    # Autocast caches a parameter's cast; the region's fake run must not leave a fake one there
+    # for eager code that uses the same parameter later in the step (diffusers' DiT does).
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), FlopCounter() as counter:
+        call_compiled(layer, layer, (x,), {})
+        after = layer(x)
+    assert torch.equal(after, expected)
+    # the region's forward and weight gradient, then the eager forward
+    assert counter.flops == 3 * (2 * 4 * 8 * 8)
+
+
+def test_diffusers_dit_trains_the_same_after_a_counted_compiled_step(fresh_dynamo):
+    # diffusers' DiT calls its first block's embedding from outside the block, under autocast.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from real_models import REAL_MODELS
+
+    spec = REAL_MODELS["dit"]
+    batch = spec.batch("tiny", 2, seed=0)
+
+    def losses(count: bool) -> list[float]:
+        model = spec.build("tiny", seed=0)
+        compile_blocks(model, CompileConfig(enabled=True), backend="eager")
+        out = []
+        for step in range(2):
+            with FlopCounter() if count and step == 0 else nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = spec.loss(model, batch)
+                loss.backward()
+            out.append(loss.item())
+        return out
+
+    assert losses(count=True) == losses(count=False)
 
 
 class DataDependent(nn.Module):

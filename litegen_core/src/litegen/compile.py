@@ -42,6 +42,18 @@ counts) calls cheapest. 0 saves the least it can, 1 what it saves by default. Th
 set around each call of a compiled block, where that split happens, rather than process-wide,
 so code outside LiteGen's blocks compiles as usual.
 
+Mix-order reduction: inductor's ``triton.mix_order_reduction`` (on by default on CUDA since torch
+2.10) fuses a norm's per-row reductions with its per-column ones. When the column reductions are
+gradients of slices of one tensor, as in ``(scale_shift_table + temb).chunk(6)`` of Wan and other
+adaLN DiTs, the fused kernel never writes those slices, and the block returns uninitialised
+memory as their gradient (torch 2.10 to 2.13 at least; diffusers' Wan 2.1 diverges within a few
+hundred steps). So LiteGen compiles with it off. The backward compiles lazily, outside any
+context around the forward call, so the setting travels in ``torch.compile``'s ``options``; as
+torch takes a ``mode`` or ``options`` but not both, a ``mode`` is passed as the options it
+stands for (``torch._inductor.list_mode_options``). ``TORCHINDUCTOR_MIX_ORDER_REDUCTION=1`` in
+the environment, or ``triton: {mix_order_reduction: true}`` in ``optimization.compile.options``,
+turns it back on.
+
 DDP: under ``DistributedDataParallel`` Dynamo's DDPOptimizer splits every compiled graph at
 gradient-bucket boundaries (25 MB), so that all-reduces can start while the rest of the graph's
 backward runs. A DiT block holds about 4 buckets of parameters, so each block would become
@@ -61,6 +73,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -150,6 +163,56 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     return flatten(options, "")
 
 
+def _correct_gradient_options() -> dict[str, Any]:
+    """Inductor options that compiled regions need for correct gradients (module docstring)."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.triton, "mix_order_reduction"):
+        return {}
+    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" in os.environ:  # the user's explicit choice
+        return {}
+    return {"triton.mix_order_reduction": False}
+
+
+def compile_kwargs(compile_cfg: Any, backend: str | Callable | None = None) -> dict[str, Any]:
+    """The ``torch.compile`` keyword arguments for an ``optimization.compile`` section.
+
+    With inductor, the mode becomes the options it stands for, merged with LiteGen's
+    correctness options and then the user's (module docstring).
+
+    Example:
+        >>> compile_kwargs(CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
+        {'dynamic': False, 'options': {'max_autotune': True, 'coordinate_descent_tuning': True,
+         'triton.mix_order_reduction': False}}
+    """
+    inductor = backend in (None, "inductor")
+    if compile_cfg.mode != "default" and not inductor:
+        raise ValueError(
+            f"optimization.compile.mode={compile_cfg.mode!r} needs the inductor backend; "
+            "use mode: default with other backends."
+        )
+    if compile_cfg.options and (compile_cfg.mode != "default" or not inductor):
+        raise ValueError(
+            "optimization.compile.options are inductor options, which torch.compile takes "
+            f"only with mode: default and the inductor backend (mode is {compile_cfg.mode!r});"
+            " set mode: default, or leave options empty."
+        )
+    kwargs: dict[str, Any] = {"dynamic": compile_cfg.dynamic}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if inductor:
+        from torch._inductor import list_mode_options
+
+        options = (
+            list_mode_options(compile_cfg.mode, compile_cfg.dynamic)
+            | _correct_gradient_options()
+            | inductor_options(compile_cfg.options)
+        )
+        if options:
+            kwargs["options"] = options
+    return kwargs
+
+
 def compile_blocks(
     model: nn.Module,
     compile_cfg: Any,
@@ -181,24 +244,7 @@ def compile_blocks(
                 type(model).__name__,
             )
             paths = [""]
-    kwargs: dict[str, Any] = {"dynamic": compile_cfg.dynamic}
-    if backend is not None:
-        kwargs["backend"] = backend
-    if compile_cfg.mode != "default":
-        if backend not in (None, "inductor"):
-            raise ValueError(
-                f"optimization.compile.mode={compile_cfg.mode!r} needs the inductor backend; "
-                "use mode: default with other backends."
-            )
-        kwargs["mode"] = compile_cfg.mode
-    if compile_cfg.options:
-        if compile_cfg.mode != "default" or backend not in (None, "inductor"):
-            raise ValueError(
-                "optimization.compile.options are inductor options, which torch.compile takes "
-                f"only with mode: default and the inductor backend (mode is {compile_cfg.mode!r});"
-                " set mode: default, or leave options empty."
-            )
-        kwargs["options"] = inductor_options(compile_cfg.options)
+    kwargs = compile_kwargs(compile_cfg, backend)
     if compile_cfg.dynamic is None:
         # Automatic dynamic shapes are what bounds recompiles; an older torch or a user may
         # have turned them off globally.
@@ -240,4 +286,4 @@ def compile_blocks(
     return done
 
 
-__all__ = ["compile_blocks", "inductor_options", "is_compiled"]
+__all__ = ["compile_blocks", "compile_kwargs", "inductor_options", "is_compiled"]

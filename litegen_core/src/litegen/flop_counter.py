@@ -18,9 +18,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,12 +120,14 @@ def _fake_flops(eager: Callable, args: tuple, kwargs: dict[str, Any], *, backwar
 
     Parameters stay real (no copy), so the backward returns their gradients through
     ``torch.autograd.grad`` instead of accumulating them; outer saved-tensor hooks (checkpoint,
-    offload) are shadowed so they never see fake tensors.
+    offload) are shadowed so they never see fake tensors, and autocast's cache of cast
+    parameters is off, so a fake cast never reaches the real step's later forwards.
     """
     identity = torch.autograd.graph.saved_tensors_hooks(_same, _same)
     with (
         _disable_current_modes(),
         identity,
+        _no_autocast_cache(),
         FakeTensorMode(allow_non_fake_inputs=True) as fake,
         _total_flop_counter() as counter,
     ):
@@ -171,6 +174,17 @@ class _CountingMode(TorchDispatchMode):
         ):
             self.flops += _fake_flops(func.decompose, args, kwargs, backward=False)
         return out
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """Autocast without its cache of cast parameters (it would keep casts of fake tensors)."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 def _total_flop_counter() -> FlopCounterMode:
