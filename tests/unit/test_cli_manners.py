@@ -54,8 +54,10 @@ def test_env_reports_versions_hardware_and_optional_packages():
     assert optional_package("litegen_no_such_module", "no-such") == "not installed"
 
 
-def test_completion_script_and_answers():
-    script = invoke("--show-completion", "bash")
+def test_completion_script_and_answers(monkeypatch):
+    # Typer detects the shell from the process tree, which a detached run (setsid) lacks.
+    monkeypatch.setattr("typer.completion._get_shell_name", lambda: "bash")
+    script = invoke("--show-completion")
     assert script.exit_code == 0, script.output
     assert "complete -o default -F _litegen_completion litegen" in script.output
     answer = invoke(_LITEGEN_COMPLETE="complete_bash", COMP_WORDS="litegen insp", COMP_CWORD="1")
