@@ -138,8 +138,8 @@ def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) ->
     backend = opts["backend"]
     dynamic = opts["dynamic"]
     if variant.hand:
+        options = correct_gradient_options() if backend == "inductor" else None
         for block in model.blocks:
-            options = correct_gradient_options() if backend == "inductor" else None
             block.forward = torch.compile(
                 block.forward, backend=backend, dynamic=dynamic, options=options
             )

@@ -52,12 +52,11 @@ def correct_gradient_options() -> dict[str, Any]:
 def compile_blocks_by_hand(model: nn.Module, dynamic: bool | None) -> int:
     """``torch.compile`` the ``forward`` of every block in the model's block lists, in place."""
     count = 0
+    options = correct_gradient_options()
     for child in model.children():
         if isinstance(child, nn.ModuleList) and len(child) > 1:
             for block in child:
-                block.forward = torch.compile(
-                    block.forward, dynamic=dynamic, options=correct_gradient_options()
-                )
+                block.forward = torch.compile(block.forward, dynamic=dynamic, options=options)
                 count += 1
     return count
 

@@ -23,6 +23,9 @@ from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
 from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from real_models import REAL_MODELS
+
 
 def test_counter_sees_forward_and_backward_matmuls():
     layer = nn.Linear(8, 4, bias=False)
@@ -169,9 +172,6 @@ def test_counting_a_compiled_region_leaves_autocast_casts_real():
 
 def test_diffusers_dit_trains_the_same_after_a_counted_compiled_step(fresh_dynamo):
     # diffusers' DiT calls its first block's embedding from outside the block, under autocast.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from real_models import REAL_MODELS
-
     spec = REAL_MODELS["dit"]
     batch = spec.batch("tiny", 2, seed=0)
 
