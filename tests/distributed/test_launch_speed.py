@@ -5,7 +5,9 @@ whatever the launch path adds per step (a host sync, a busy thread, per-step boo
 in its steps/s. Both sides run the same entry module in their own process, one after the other
 (scripts/launch_vs_hand.py); a side's rate is the median over 100-step windows after the
 warm-up, from the samples/s in its metrics.jsonl. On a noisy machine a failing comparison is
-measured again, up to three times, each side's best run counting, before the test fails.
+measured again, up to three times, before the test fails. The sides are compared within an
+attempt, run back to back, so that one side's lucky run in a quiet moment cannot outweigh every
+later attempt.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ STEPS = 800
 WARMUP = 200
 WINDOW = 100
 MIN_RATIO = 0.9
-ATTEMPTS = 3  # one run of each side per attempt; the best of the runs so far counts
+ATTEMPTS = 3  # one run of each side per attempt; the best attempt's ratio counts
 
 
 def test_launch_keeps_up_with_a_hand_written_loop(tmp_path):
@@ -46,6 +48,7 @@ def test_launch_keeps_up_with_a_hand_written_loop(tmp_path):
         )
     )
     rates = {"hand": [], "launch": []}
+    ratio = 0.0
     for attempt in range(ATTEMPTS):
         results = compare(
             recipe,
@@ -58,10 +61,10 @@ def test_launch_keeps_up_with_a_hand_written_loop(tmp_path):
         )
         for side, result in results.items():
             rates[side] += result.rates
-        ratio = max(rates["launch"]) / max(rates["hand"])
+        ratio = max(ratio, results["launch"].best / results["hand"].best)
         if ratio >= MIN_RATIO:
             break
     assert ratio >= MIN_RATIO, (
-        f"litegen launch ran at {ratio:.2f}x the hand-written loop's samples/s "
+        f"litegen launch ran at best at {ratio:.2f}x the hand-written loop's samples/s "
         f"(launch {rates['launch']}, hand {rates['hand']}); it must keep {MIN_RATIO}x"
     )
