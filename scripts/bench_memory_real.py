@@ -29,6 +29,8 @@ short limits; out of memory = too long). Each probe runs in its own process. ``-
 caps what each probe may allocate (``torch.cuda.set_per_process_memory_fraction``), emulating a
 smaller device so that probes stay short; the ratio between the three is what the search shows.
 Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
+Variants with offload run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless it is
+set, as ``litegen launch`` runs them (``litegen_cli.launcher.allocator_conf``).
 
     python3 scripts/bench_memory_real.py --out wan_table.json
     python3 scripts/bench_memory_real.py --longest --variants --seed-from wan_table.json \\
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -165,6 +168,8 @@ def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) ->
             forward = block_forward(model.get_submodule(path))
             forward.offloader, forward.offload = report.offloader, True
         report.offloaded = list(report.checkpointed)
+    if report.offloader is not None and opts.get("blocks_in_flight"):
+        report.offloader.blocks_in_flight = opts["blocks_in_flight"]
     compile_blocks(
         model,
         CompileConfig(enabled=True, dynamic=dynamic),
@@ -289,16 +294,32 @@ def probe(opts: dict[str, Any]) -> dict[str, Any]:
         row["fits"] = True
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
             row["resident_gib"] = resident / GIB
     except Exception as exc:  # out of memory, in any of its forms, means too long
         text = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in text.lower():
             raise
-        row["fits"], row["reason"] = False, text.splitlines()[0][:200]
+        row["fits"], row["reason"] = False, text.splitlines()[0][:600]
     return row
 
 
 # -- the parent: processes, table, search ------------------------------------------------------
+def _child_env(variant: Variant) -> dict[str, str]:
+    """The environment ``litegen launch`` would give ``variant``'s ranks (allocator setting)."""
+    from litegen.config import MainConfig
+    from litegen_cli.launcher import ALLOCATOR_ENV, allocator_conf
+
+    env = dict(os.environ)
+    offload = variant.memory.get("activation_offload", False) or variant.offload_inputs_only
+    conf = allocator_conf(
+        MainConfig.from_dict({"optimization": {"memory": {"activation_offload": offload}}})
+    )
+    if conf is not None:
+        env.setdefault(ALLOCATOR_ENV, conf)
+    return env
+
+
 class Runner:
     """Starts one child process per measurement, within a time budget."""
 
@@ -323,13 +344,19 @@ class Runner:
             "steps": a.steps,
             "memory_limit_gib": a.memory_limit_gib,
             "auto_budget_gib": a.auto_budget_gib,
+            "blocks_in_flight": a.offload_blocks_in_flight,
         }
         command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)]
         print(f"[{time.perf_counter() - self.start:6.0f} s] {mode} {variant} @ {frames} frames")
         sys.stdout.flush()
         try:
             proc = subprocess.run(
-                command, capture_output=True, text=True, timeout=a.child_timeout_s, cwd=HERE.parent
+                command,
+                capture_output=True,
+                text=True,
+                timeout=a.child_timeout_s,
+                cwd=HERE.parent,
+                env=_child_env(VARIANTS[variant]),
             )
         except subprocess.TimeoutExpired:
             return {"variant": variant, "frames": frames, "fits": False, "reason": "timeout"}
@@ -460,7 +487,16 @@ def main() -> None:
         "--backend", help="torch.compile backend (default: inductor; cpu: aot_eager)"
     )
     parser.add_argument("--auto-budget-gib", type=float, default=40.0)
+    parser.add_argument(
+        "--offload-blocks-in-flight",
+        type=int,
+        help="blocks whose offload copies may still run when the next block starts (default: "
+        "the offloader's)",
+    )
     parser.add_argument("--longest", action="store_true", help="search the longest sequences")
+    parser.add_argument(
+        "--longest-variants", nargs="+", default=LONGEST, choices=LONGEST, help="in this order"
+    )
     parser.add_argument("--memory-limit-gib", type=float, help="cap of every probe (longest)")
     parser.add_argument("--seed-frames", type=int, default=3)
     parser.add_argument(
@@ -495,6 +531,7 @@ def main() -> None:
         "model": "Wan 2.1 1.3B (tiny)" if args.tiny else "Wan 2.1 1.3B",
         "frames": args.frames,
         "backend": args.backend,
+        "offload_blocks_in_flight": args.offload_blocks_in_flight,
     }
     rows = run_table(runner, args.variants, args.frames) if args.variants else []
     if rows:
@@ -507,7 +544,7 @@ def main() -> None:
             earlier = json.loads(args.seed_from.read_text())
             seeds = [{**r, "frames": earlier["frames"]} for r in earlier.get("table", [])]
         searches = []
-        for variant in LONGEST:
+        for variant in args.longest_variants:
             seed = next((r for r in seeds if r["variant"] == variant), None)
             if seed is not None:
                 seed = {"frames": args.frames, **seed, "fits": True}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,15 +13,18 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from litegen.config import MainConfig
 from litegen_cli import launcher
 from litegen_cli.app import app
 from litegen_cli.launcher import (
     LaunchFailed,
     RankFailure,
     _summarize,
+    allocator_conf,
     torchrun_args,
     write_resolved_recipe,
 )
+from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, RecipeError, apply_overrides, load_recipe
 from litegen_cli.slurm import apply_slurm_env, first_host
@@ -242,6 +246,44 @@ def test_torchrun_args_one_node():
         "--monitor_interval", "0.1",
         "-m", "litegen_cli.worker", "/r/recipe.resolved.yaml",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("optimization", "conf"),
+    [
+        ({}, None),
+        ({"memory": {"activation_offload": True}}, "expandable_segments:True"),
+        (
+            {"profiles": {"frozen": {"memory": {"activation_offload": True}}}},
+            "expandable_segments:True",
+        ),
+    ],
+    ids=["no-offload", "offload", "offload-in-a-profile"],
+)
+def test_offload_runs_get_growable_allocator_segments(optimization, conf):
+    assert allocator_conf(MainConfig.from_dict({"optimization": optimization})) == conf
+
+
+@pytest.mark.parametrize("users", [None, "max_split_size_mb:512"], ids=["unset", "user-set"])
+def test_the_ranks_inherit_the_allocator_setting_unless_the_user_chose_one(
+    tmp_path, monkeypatch, users
+):
+    import torch.distributed.run
+
+    # setenv first, so that teardown restores the variables _run sets
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users or "")
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "")
+    if users is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    seen = []
+    monkeypatch.setattr(
+        torch.distributed.run,
+        "run",
+        lambda args: seen.append(os.environ["PYTORCH_CUDA_ALLOC_CONF"]),
+    )
+    path = write_recipe(tmp_path, optimization={"memory": {"activation_offload": True}})
+    launcher._run(load_recipe(path), tmp_path / "resolved.yaml")
+    assert seen == [users or "expandable_segments:True"]
 
 
 def test_torchrun_args_two_nodes():

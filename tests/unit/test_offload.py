@@ -17,7 +17,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from litegen.compile import compile_blocks
 from litegen.memory import ActivationOffloader, apply_memory_optimizations, checkpoint_modules
-from litegen.memory.offload import _dense_strides
+from litegen.memory.offload import BLOCKS_IN_FLIGHT, _dense_strides
 from litegen.utils.config import CompileConfig, MemoryConfig
 from tests.unit.memory_nets import (
     BATCH,
@@ -50,7 +50,7 @@ def came_back(stats) -> int:
 
 
 def test_checkpointed_blocks_offload_their_inputs_and_the_last_block_keeps_its_own():
-    model, report = offloaded_net(memory_cfg(0.0, offload=True))
+    model, report = offloaded_net(memory_cfg(0.0, offload=True), blocks_in_flight=2)
     assert report.offloaded == ["blocks.0", "blocks.1", "blocks.2"]  # blocks.3 is backward's first
     assert_exact(loss_and_grads(model, batch()), loss_and_grads(make_net(), batch()))
     stats = report.offloader.stats
@@ -107,11 +107,11 @@ def test_plain_blocks_offload_everything_they_save_but_parameters_and_gapped_vie
     assert came_back(stats) == stats.tensors_offloaded
 
 
-@pytest.mark.parametrize(("in_flight", "reused_blocks"), [(1, [4]), (2, [3, 4])])
+@pytest.mark.parametrize(("in_flight", "reused_blocks"), [(1, [4]), (2, [3, 4]), (3, [2, 3, 4])])
 def test_only_the_last_blocks_in_flight_are_still_on_the_device(in_flight, reused_blocks):
-    model, report = offloaded_net(
-        MemoryConfig(activation_offload=True), depth=6, blocks_in_flight=in_flight
-    )
+    model, report = offloaded_net(MemoryConfig(activation_offload=True), depth=6)
+    assert report.offloader.blocks_in_flight == BLOCKS_IN_FLIGHT
+    report.offloader.blocks_in_flight = in_flight
     loss_and_grads(model, batch())
     per_block = sum(not stays(t) for t in saved_by_blocks(6, 1))  # none shared
     stats = report.offloader.stats
@@ -124,7 +124,7 @@ def test_only_the_last_blocks_in_flight_are_still_on_the_device(in_flight, reuse
     ("block", "offload", "moved"), [(0, False, False), (0, True, True), (2, True, False)]
 )
 def test_recompute_reads_the_host_copy_unless_still_in_flight(block, offload, moved):
-    model = make_net()
+    model = make_net(depth=6)  # blocks 2-4 are the last three in flight
     apply_memory_optimizations(model, memory_cfg(0.0, offload=offload))
     model.blocks[block].seen = []
     keep = []  # hold the forward inputs so their memory cannot be handed to the copies

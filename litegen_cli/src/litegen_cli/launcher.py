@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from litegen.config import MainConfig
 from litegen_cli.failures import (
     EXIT_BAD_INPUT,
     LaunchFailed,
@@ -28,8 +29,20 @@ from litegen_cli.recipe import LaunchSpec, Recipe
 
 RESOLVED_NAME = "recipe.resolved.yaml"
 WORKER_MODULE = "litegen_cli.worker"
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+# Offload frees each block's saved tensors as their copies finish and brings them back during
+# backward, between the compute's own large allocations; the caching allocator's fixed-size
+# segments fragment under that pattern (docs/memory.md), growable ones do not.
+OFFLOAD_ALLOCATOR_CONF = "expandable_segments:True"
 
-__all__ = ["LaunchFailed", "RankFailure", "launch", "torchrun_args", "write_resolved_recipe"]
+__all__ = [
+    "LaunchFailed",
+    "RankFailure",
+    "allocator_conf",
+    "launch",
+    "torchrun_args",
+    "write_resolved_recipe",
+]
 
 
 def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
@@ -144,6 +157,20 @@ def launch(recipe: Recipe) -> Path:
     return results / RESOLVED_NAME
 
 
+def allocator_conf(config: MainConfig) -> str | None:
+    """The CUDA allocator setting the ranks get unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
+
+    Growable segments where activation offload is on (in the general settings or a profile);
+    ``None`` (torch's default) otherwise.
+
+    >>> allocator_conf(MainConfig.from_dict({"optimization": {"memory": {"activation_offload": True}}}))
+    'expandable_segments:True'
+    """
+    opt = config.optimization
+    settings = [opt, *(opt.resolve(name) for name in opt.profiles)]
+    return OFFLOAD_ALLOCATOR_CONF if any(s.memory.activation_offload for s in settings) else None
+
+
 def _run(recipe: Recipe, resolved: Path) -> None:
     args = torchrun_args(recipe.launch, resolved)
 
@@ -160,6 +187,9 @@ def _run(recipe: Recipe, resolved: Path) -> None:
         # the dead group's gloo addresses from it ("Connection refused"); a fresh store per
         # attempt avoids that. See docs/resume.md.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    conf = allocator_conf(recipe.config)
+    if conf is not None:  # read by each rank's CUDA allocator at its first allocation
+        os.environ.setdefault(ALLOCATOR_ENV, conf)
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as err:

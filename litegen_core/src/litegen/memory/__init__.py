@@ -22,7 +22,7 @@ from litegen.memory.checkpointing import (
     select_evenly,
     wrap_blocks,
 )
-from litegen.memory.offload import ActivationOffloader, OffloadStats
+from litegen.memory.offload import BLOCKS_IN_FLIGHT, ActivationOffloader, OffloadStats
 from litegen.memory.stats import format_peak_memory, peak_memory_since_last_call
 
 __all__ = [
@@ -171,7 +171,9 @@ def apply_memory_optimizations(
             budget_bytes=budget,
             budget_fraction=ac.memory_budget_fraction,
             may_offload=memory.activation_offload,
-            blocks_in_flight=report.offloader.blocks_in_flight if report.offloader else 2,
+            blocks_in_flight=report.offloader.blocks_in_flight
+            if report.offloader
+            else BLOCKS_IN_FLIGHT,
             on_plan=report._planned,
         )
     return report

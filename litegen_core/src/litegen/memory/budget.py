@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from litegen.memory.block_forward import BlockForward
 from litegen.memory.checkpointing import spread_evenly
+from litegen.memory.offload import BLOCKS_IN_FLIGHT
 
 log = logging.getLogger("litegen")
 
@@ -119,7 +120,7 @@ class BudgetPlanner:
         budget_bytes: int | None = None,
         budget_fraction: float = 0.9,
         may_offload: bool = False,
-        blocks_in_flight: int = 2,
+        blocks_in_flight: int = BLOCKS_IN_FLIGHT,
         on_plan: Any = None,
     ) -> None:
         self.blocks = blocks
@@ -312,7 +313,7 @@ def candidate_plans(
     block_s: float,
     bandwidth: float,
     offload: bool,
-    blocks_in_flight: int = 2,
+    blocks_in_flight: int = BLOCKS_IN_FLIGHT,
 ) -> list[Plan]:
     """Every plan: ``k`` = 0..n checkpointed blocks, without and (if allowed) with offload.
 

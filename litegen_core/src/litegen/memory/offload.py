@@ -52,6 +52,11 @@ from torch.autograd.graph import saved_tensors_hooks
 
 log = logging.getLogger("litegen")
 
+# A block's copies start when its forward ends, so with 3 they have the next two blocks' compute
+# to finish in; with 2, offloaded blocks alternating with checkpointed ones (whose copies are
+# small) made compute wait for every offloaded block's copies.
+BLOCKS_IN_FLIGHT = 3
+
 
 @dataclass
 class OffloadStats:
@@ -153,7 +158,7 @@ class ActivationOffloader:
     def __init__(
         self,
         min_bytes: int = 1024,
-        blocks_in_flight: int = 2,
+        blocks_in_flight: int = BLOCKS_IN_FLIGHT,
         max_pinned_bytes: int | None = None,
     ) -> None:
         if blocks_in_flight < 1:
@@ -281,7 +286,8 @@ class ActivationOffloader:
             out = saved.in_flight
             if group.copied is not None:  # the copy still reads it; its memory must stay put
                 torch.cuda.current_stream(out.device).wait_event(group.copied)
-            self.stats.tensors_reused_on_device += 1
+            if saved.uses == 1:  # counted once per tensor, however many blocks share it
+                self.stats.tensors_reused_on_device += 1
         else:
             if saved.back is None:
                 self._fetch([weakref.ref(saved)], group.device, prefetch=False)
