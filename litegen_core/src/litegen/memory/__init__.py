@@ -166,14 +166,13 @@ def apply_memory_optimizations(
     )
     report.checkpointed, report.offloaded = checkpointed, offloaded
     if auto and blocks:
+        in_flight = report.offloader.blocks_in_flight if report.offloader else BLOCKS_IN_FLIGHT
         report.planner = BudgetPlanner(
             blocks,
             budget_bytes=budget,
             budget_fraction=ac.memory_budget_fraction,
             may_offload=memory.activation_offload,
-            blocks_in_flight=report.offloader.blocks_in_flight
-            if report.offloader
-            else BLOCKS_IN_FLIGHT,
+            blocks_in_flight=in_flight,
             on_plan=report._planned,
         )
     return report
