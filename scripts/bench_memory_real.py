@@ -30,7 +30,7 @@ caps what each probe may allocate (``torch.cuda.set_per_process_memory_fraction`
 smaller device so that probes stay short; the ratio between the three is what the search shows.
 Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
 Variants with offload run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless it is
-set, as ``litegen launch`` runs them (``litegen_cli.launcher.allocator_conf``).
+set, as ``litegen launch`` runs them.
 
     python3 scripts/bench_memory_real.py --out wan_table.json
     python3 scripts/bench_memory_real.py --longest --variants --seed-from wan_table.json \\
@@ -135,8 +135,9 @@ def _shape(opts: dict[str, Any], frames: int) -> Any:
 def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) -> Any:
     """Checkpointing, offload and regional compile for ``variant``; LiteGen's report or None."""
     import torch
-    from hand_loop import correct_gradient_options
     from torch import nn
+
+    from litegen.compile import correct_gradient_options
 
     backend = opts["backend"]
     dynamic = opts["dynamic"]
@@ -307,16 +308,11 @@ def probe(opts: dict[str, Any]) -> dict[str, Any]:
 # -- the parent: processes, table, search ------------------------------------------------------
 def _child_env(variant: Variant) -> dict[str, str]:
     """The environment ``litegen launch`` would give ``variant``'s ranks (allocator setting)."""
-    from litegen.config import MainConfig
-    from litegen_cli.launcher import ALLOCATOR_ENV, allocator_conf
+    from litegen_cli.launcher import ALLOCATOR_ENV, OFFLOAD_ALLOCATOR_CONF
 
     env = dict(os.environ)
-    offload = variant.memory.get("activation_offload", False) or variant.offload_inputs_only
-    conf = allocator_conf(
-        MainConfig.from_dict({"optimization": {"memory": {"activation_offload": offload}}})
-    )
-    if conf is not None:
-        env.setdefault(ALLOCATOR_ENV, conf)
+    if variant.memory.get("activation_offload") or variant.offload_inputs_only:
+        env.setdefault(ALLOCATOR_ENV, OFFLOAD_ALLOCATOR_CONF)
     return env
 
 

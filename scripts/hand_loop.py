@@ -4,7 +4,7 @@ The reference that ``litegen launch`` is measured against (``launch_vs_hand.py``
 ``build(config)`` (model, optimizer, dataset) and ``train_step``, driven by a DataLoader over the
 same dataset and batch size, with the recipe's autocast, gradient clipping, regional compile
 (``torch.compile`` of each block's ``forward`` in place, with the inductor options correct
-gradients need, as LiteGen does) and logging cadence
+gradients need, ``litegen.compile.correct_gradient_options``) and logging cadence
 (``loss.item()`` every ``trainer.log_every`` steps). No LiteGen code runs in the loop.
 
 Each step's end is timed without a host sync (a CUDA event, or the host clock on CPU), and
@@ -30,23 +30,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from litegen.compile import correct_gradient_options
 from litegen.entry import load_entry
 from litegen_cli.recipe import load_recipe
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def correct_gradient_options() -> dict[str, Any]:
-    """Inductor options a correct hand-written loop needs, as LiteGen sets them.
-
-    Inductor's mix-order reduction (torch 2.10 and later) leaves the gradients of a chunked
-    modulation table, such as Wan's ``scale_shift_table``, unwritten; see ``litegen/compile.py``.
-    """
-    from torch._inductor import config as inductor_config
-
-    if hasattr(inductor_config.triton, "mix_order_reduction"):
-        return {"triton.mix_order_reduction": False}
-    return {}
 
 
 def compile_blocks_by_hand(model: nn.Module, dynamic: bool | None) -> int:

@@ -163,8 +163,12 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     return flatten(options, "")
 
 
-def _correct_gradient_options() -> dict[str, Any]:
-    """Inductor options that compiled regions need for correct gradients (module docstring)."""
+def correct_gradient_options() -> dict[str, Any]:
+    """Inductor options that compiled regions need for correct gradients (module docstring).
+
+    Example:
+        >>> torch.compile(block.forward, options=correct_gradient_options())  # a hand-written loop
+    """
     from torch._inductor import config as inductor_config
 
     if not hasattr(inductor_config.triton, "mix_order_reduction"):
@@ -205,7 +209,7 @@ def compile_kwargs(compile_cfg: Any, backend: str | Callable | None = None) -> d
 
         options = (
             list_mode_options(compile_cfg.mode, compile_cfg.dynamic)
-            | _correct_gradient_options()
+            | correct_gradient_options()
             | inductor_options(compile_cfg.options)
         )
         if options:
@@ -286,4 +290,10 @@ def compile_blocks(
     return done
 
 
-__all__ = ["compile_blocks", "compile_kwargs", "inductor_options", "is_compiled"]
+__all__ = [
+    "compile_blocks",
+    "compile_kwargs",
+    "correct_gradient_options",
+    "inductor_options",
+    "is_compiled",
+]
