@@ -37,7 +37,13 @@ set, as ``litegen launch`` runs them.
         --memory-limit-gib 32 --probes 3 --out wan_longest.json
     uv run --no-sync python scripts/bench_memory_real.py --device cpu --tiny --longest  # smoke
 
+``--probe VARIANT@FRAMES`` runs single probes (fits or not, and the peak) instead of a search,
+for limits whose probes are too slow to search. ``--precision bf16-mixed`` trains every variant
+as LiteGen's preset of that name does: bf16 parameters and gradients, FP32 masters in AdamW.
 ``--time-budget-s`` stops starting new processes past that many seconds and writes what it has.
+
+    python3 scripts/bench_memory_real.py --variants --precision bf16-mixed --memory-limit-gib 48 \\
+        --probe full@96 full_offload@144
 """
 
 from __future__ import annotations
@@ -189,10 +195,17 @@ def _setup(opts: dict[str, Any], frames: int, lr: float) -> tuple:
     size = "tiny" if opts["tiny"] else "reference"
     with device:  # parameters made on the device: the 1.3B model builds in seconds
         model = spec.build(size)
+    bf16_mixed = opts.get("precision") == "bf16-mixed"
+    if bf16_mixed:
+        model.to(torch.bfloat16)
     variant = VARIANTS[opts["variant"]]
     report = _prepare(model, variant, opts, device)
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+    if bf16_mixed:
+        from litegen.optim import enable_master_weights
+
+        enable_master_weights(optimizer)
     batch = spec.batch(size, batch_size=1, seed=0, shape=_shape(opts, frames))
     batch = {k: v.to(device) for k, v in batch.items()}
     autocast = (
@@ -341,6 +354,7 @@ class Runner:
             "memory_limit_gib": a.memory_limit_gib,
             "auto_budget_gib": a.auto_budget_gib,
             "blocks_in_flight": a.offload_blocks_in_flight,
+            "precision": a.precision,
         }
         command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)]
         print(f"[{time.perf_counter() - self.start:6.0f} s] {mode} {variant} @ {frames} frames")
@@ -456,6 +470,23 @@ def longest(runner: Runner, variant: str, seed: dict[str, Any] | None) -> dict[s
     }
 
 
+def run_probes(runner: Runner, wanted: list[str]) -> list[dict[str, Any]]:
+    """One probe per ``VARIANT@FRAMES``, in the order given; prints whether each fits."""
+    rows = []
+    for item in wanted:
+        variant, _, frames = item.partition("@")
+        if runner.out_of_time():
+            print("time budget reached; probes left out")
+            break
+        row = runner.child("probe", variant, int(frames))
+        rows.append(row)
+        peak = row.get("peak_gib")
+        shown = f", peak {peak:.2f} GiB, step {row['step_s']:.1f} s" if peak is not None else ""
+        verdict = "fits" if row.get("fits") else f"fails ({row.get('reason', '')[:160]})"
+        print(f"probe {variant} @ {frames} frames: {verdict}{shown}")
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "\n| setting | samples/s | step time vs no checkpointing | peak GiB | offloaded GiB/step |"
@@ -489,7 +520,11 @@ def main() -> None:
         help="blocks whose offload copies may still run when the next block starts (default: "
         "the offloader's)",
     )
+    parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16-mixed"])
     parser.add_argument("--longest", action="store_true", help="search the longest sequences")
+    parser.add_argument(
+        "--probe", nargs="+", default=[], metavar="VARIANT@FRAMES", help="single probes"
+    )
     parser.add_argument(
         "--longest-variants", nargs="+", default=LONGEST, choices=LONGEST, help="in this order"
     )
@@ -505,6 +540,10 @@ def main() -> None:
     parser.add_argument("--time-budget-s", type=float, default=540)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
+    for item in args.probe:
+        variant, _, frames = item.partition("@")
+        if variant not in VARIANTS or not frames.isdigit():
+            parser.error(f"--probe {item}: write VARIANT@FRAMES, VARIANT one of {list(VARIANTS)}")
     sys.path.insert(0, str(HERE))
     if args.child:
         opts = json.loads(args.child)
@@ -528,6 +567,8 @@ def main() -> None:
         "frames": args.frames,
         "backend": args.backend,
         "offload_blocks_in_flight": args.offload_blocks_in_flight,
+        "precision": args.precision,
+        "memory_limit_gib": args.memory_limit_gib,
     }
     rows = run_table(runner, args.variants, args.frames) if args.variants else []
     if rows:
@@ -552,7 +593,8 @@ def main() -> None:
                 f"{found['longest_tokens']} tokens{note}"
             )
         result["longest"] = searches
-        result["memory_limit_gib"] = args.memory_limit_gib
+    if args.probe:
+        result["probes"] = run_probes(runner, args.probe)
     result["wall_s"] = time.perf_counter() - runner.start
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -136,7 +136,7 @@ def test_offload_plans_trade_recompute_for_copies_the_forward_hides():
     costs = {f"b.{i}": BlockCost(activation_bytes=100, input_bytes=10) for i in range(4)}
 
     def choose_within(budget: int, bandwidth: float):
-        plans = candidate_plans(costs, 1000, 1.0, bandwidth, offload=True, blocks_in_flight=2)
+        plans = candidate_plans(costs, {4: 1000}, 1.0, bandwidth, offload=True, blocks_in_flight=2)
         plan, fits = choose(plans, budget)
         assert fits
         return plan
@@ -152,6 +152,17 @@ def test_offload_plans_trade_recompute_for_copies_the_forward_hides():
     # Only full checkpointing with offloaded inputs fits: 1000 - 30 + 20.
     tight = choose_within(995, bandwidth=1e9)
     assert (len(tight.checkpointed), tight.estimate_bytes) == (4, 990)
+
+
+def test_blocks_left_out_add_only_to_the_phases_that_still_hold_them():
+    # The forward peaks at 1000 (every block holds), block 2's backward at 1100 (blocks 0 and 1
+    # still hold), the end of backward at 1250 (gradients, no block holds anything).
+    costs = {f"b.{i}": BlockCost(activation_bytes=100, input_bytes=10) for i in range(4)}
+    plans = candidate_plans(costs, {4: 1000, 2: 1100, 0: 1250}, 1.0, 0.0, offload=False)
+    assert [p.estimate_bytes for p in plans] == [1400, 1300, 1250, 1250, 1250]
+    # Two blocks left out fit under 1260, where one peak plus every activation (1450) would not.
+    plan, fits = choose(plans, 1260)
+    assert fits and plan.checkpointed == ("b.1", "b.3")
 
 
 def ddp_auto(budget_gib: float) -> dict:

@@ -16,37 +16,47 @@ one extra forward and one block's activations at a time. Per block:
 * ``input_bytes``: what checkpointing keeps for it alone: its saved inputs that no other block
   also saves (shared ones, like text embeddings, stay either way).
 
-On CUDA the allocator gives the rest: ``base`` = memory allocated when the plan is made (after
-the first optimizer step, so optimizer state included) + the first step's activation peak
-(maximum allocated minus allocated at its first block, the counting runs left out). On CPU,
-which has no allocator statistics, ``base`` is the bytes the checkpointed blocks saved, so the
-budget covers saved activations only.
+On CUDA the allocator gives the rest, as the peaks of the first step's phases, because blocks
+left out hold their activations only until their own backward: the forward (until the last block's
+output gradient arrives), then each block's backward (from its output gradient to the next
+block's), with later micro-batches and the optimizer step as phases of their own. A phase's peak
+is the maximum allocated in it (the counting runs left out) plus the optimizer state (allocated
+when the plan is made minus allocated at the first block). On CPU, which has no allocator
+statistics, the one phase is the forward and its peak the bytes the checkpointed blocks saved, so
+the budget covers saved activations only.
 
 A plan checkpoints ``k`` blocks spread evenly (as ``selective_ratio`` does) and, if
-``activation_offload`` allows it and on CUDA only, offloads every candidate but the last:
+``activation_offload`` allows it and on CUDA only, offloads every candidate but the last. In
+each phase the blocks that precede it (every block, in the forward and in later micro-batches)
+still hold what they keep:
 
-    estimate = base + sum(activation_bytes of blocks not checkpointed) - offloaded + in flight
+    estimate = max over phases (phase peak + activation_bytes of held blocks not checkpointed
+                                - offloaded by held blocks) + in flight
 
 where ``offloaded`` is what leaves the device (a checkpointed block's own inputs; another
 block's activations and inputs) and ``in flight`` is ``blocks_in_flight`` times the largest
-block's share. Its cost in seconds is ``k`` recomputed block forwards (timed with CUDA events
-in the first step) plus the offload copies the forward cannot hide (bytes over the measured
-device-to-host bandwidth, beyond the forward's duration). The cheapest plan within the budget
-wins, fewer offloaded blocks breaking ties; when none fits, the one with the smallest estimate
-runs and a warning says by how much it misses. Under ``torch.distributed`` every rank plans with
+block's share. Its cost in seconds is ``k`` recomputed block forwards (the first step's median
+block forward, timed with CUDA events) plus the offload copies the forward cannot hide (bytes
+over the measured device-to-host bandwidth, beyond the forward's duration). The cheapest plan
+within the budget wins, fewer offloaded blocks breaking ties; when none fits, the one with the
+smallest estimate runs and a warning says by how much it misses. Under ``torch.distributed`` every rank plans with
 the maximum of all ranks' figures, so all ranks choose the same blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_leaves
 
 from litegen.memory.block_forward import BlockForward
@@ -86,7 +96,10 @@ class _Measurement:
     seen: set[int] = field(default_factory=set)  # blocks called in the current forward
     forwards: int = 0
     before: int = 0  # allocated at the first block
-    peak: int = 0  # highest allocated seen outside the counting runs
+    # phase -> its highest allocated outside the counting runs; a phase is named by how many
+    # blocks (in forward order) still hold their activations in it (module doc)
+    peaks: dict[int, int] = field(default_factory=dict)
+    phase: int | None = None  # the phase under way (None: not measuring the allocator)
 
 
 def _storages(tree: Any) -> set[int]:
@@ -134,7 +147,10 @@ class BudgetPlanner:
         self._measured = _Measurement({path: BlockCost() for path in blocks})
         self._paths = {id(block): path for path, block in blocks.items()}
         self._stepped = False
-        self._hook = register_optimizer_step_post_hook(self._optimizer_step)
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._before_optimizer_step),
+            register_optimizer_step_post_hook(self._optimizer_step),
+        ]
         self._device: torch.device | None = None
         for block in blocks.values():
             block.checkpoint, block.offload, block.meter = True, False, self
@@ -144,9 +160,26 @@ class BudgetPlanner:
         """Whether the step under way is the measuring one (its extra forwards are not training's)."""
         return not self._stepped
 
+    def _before_optimizer_step(self, *_: Any) -> None:
+        m = self._measured
+        if m.forwards > 0 and not self._stepped and m.phase is not None:
+            self._next_phase(0)  # the optimizer step: parameters and gradients, nothing held
+            m.peaks[0] = max(m.peaks.get(0, 0), torch.cuda.memory_allocated(self._device))
+            m.phase = None
+
     def _optimizer_step(self, *_: Any) -> None:
         # Steps before this model's first forward (another model's optimizer) end nothing.
         self._stepped = self._measured.forwards > 0
+
+    def _next_phase(self, held: int | None) -> None:
+        """Close the phase under way (its allocator peak noted) and open the one holding ``held``."""
+        m = self._measured
+        if m.phase is None:
+            return
+        peak = torch.cuda.max_memory_allocated(self._device)
+        m.peaks[m.phase] = max(m.peaks.get(m.phase, 0), peak)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        m.phase = held
 
     # -- the first step ----------------------------------------------------------------------
     def call(self, block: BlockForward, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -160,6 +193,8 @@ class BudgetPlanner:
             m.forwards += 1
             if m.forwards == 1:
                 self._start(block, args, kwargs)
+            else:  # a later micro-batch: every block holds its activations again
+                self._next_phase(len(self.blocks))
         m.seen.add(id(block))
         if m.forwards > 1:  # later micro-batches: only the allocator's peak keeps counting
             return block.run(args, kwargs)
@@ -173,6 +208,7 @@ class BudgetPlanner:
         self._device = devices[0] if devices else torch.device("cpu")
         if self._device.type == "cuda":
             self._measured.before = torch.cuda.memory_allocated(self._device)
+            self._measured.phase = len(self.blocks)  # the forward
             torch.cuda.reset_peak_memory_stats(self._device)
 
     def _count_plain(
@@ -195,7 +231,8 @@ class BudgetPlanner:
         cuda = self._device is not None and self._device.type == "cuda"
         if cuda:
             m = self._measured
-            m.peak = max(m.peak, torch.cuda.max_memory_allocated(self._device))
+            peak = torch.cuda.max_memory_allocated(self._device)
+            m.peaks[m.phase] = max(m.peaks.get(m.phase, 0), peak)
         with (
             torch.random.fork_rng(devices=[self._device] if cuda else []),
             saved_tensors_hooks(count, _discard),
@@ -232,12 +269,18 @@ class BudgetPlanner:
         if timed:
             end.record()
             m.timings.append((start, end))
+            grads_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            grads_out = [t for t in grads_out if t.requires_grad]
+            if grads_out:  # its backward starts when the gradient of its output arrives
+                held = list(self.blocks).index(path)
+                grads_out[0].register_hook(lambda _: self._next_phase(held))
         return out
 
     # -- the plan ----------------------------------------------------------------------------
     def decide(self) -> Plan:
         """Choose and apply the plan from what the first step measured (module doc)."""
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         m = self._measured
         paths = list(self.blocks)
         for ptr, owners in m.saved_by.items():
@@ -245,12 +288,16 @@ class BudgetPlanner:
                 m.costs[next(iter(owners))].input_bytes += m.storage_bytes[ptr]
         device = self._device or torch.device("cpu")
         cuda = device.type == "cuda"
+        n = len(paths)
         if cuda:
-            peak = max(m.peak, torch.cuda.max_memory_allocated(device))
-            base = torch.cuda.memory_allocated(device) + peak - m.before
+            self._next_phase(None)
+            state = torch.cuda.memory_allocated(device) - m.before  # the optimizer's, mostly
+            peaks = [m.peaks[held] + state if held in m.peaks else 0 for held in range(n + 1)]
             for _, end in m.timings:
                 end.synchronize()
-            block_s = sum(s.elapsed_time(e) for s, e in m.timings) / 1e3 / max(len(m.timings), 1)
+            # the median: the first call of a compiled block also compiles it
+            times = [s.elapsed_time(e) / 1e3 for s, e in m.timings]
+            block_s = statistics.median(times) if times else 0.0
             total = torch.cuda.get_device_properties(device).total_memory
             budget = self.budget_bytes or int(self.budget_fraction * total)
         else:
@@ -259,25 +306,27 @@ class BudgetPlanner:
                     "activation_checkpoint.selective_ratio: auto on a device without memory "
                     "statistics (cpu) needs memory_budget_gib; set it."
                 )
-            base, block_s, budget = sum(m.storage_bytes.values()), 1.0, self.budget_bytes
-        figures = [float(base), block_s]
+            block_s, budget = 1.0, self.budget_bytes
+            peaks = [0] * n + [sum(m.storage_bytes.values())]
+        figures = [block_s, *(float(b) for b in peaks)]
         figures += [float(m.costs[p].activation_bytes) for p in paths]
         figures += [float(m.costs[p].input_bytes) for p in paths]
         figures = _max_over_ranks(figures, device)
-        base, block_s = int(figures[0]), figures[1]
-        n = len(paths)
+        block_s = figures[0]
+        phases = {held: int(b) for held, b in enumerate(figures[1 : n + 2]) if b > 0}
         costs = {
-            p: BlockCost(int(figures[2 + i]), int(figures[2 + n + i])) for i, p in enumerate(paths)
+            p: BlockCost(int(figures[n + 2 + i]), int(figures[2 * n + 2 + i]))
+            for i, p in enumerate(paths)
         }
         offload = self.may_offload and cuda
         bandwidth = _copy_bandwidth(device) if offload else 0.0
-        plans = candidate_plans(costs, base, block_s, bandwidth, offload, self.blocks_in_flight)
+        plans = candidate_plans(costs, phases, block_s, bandwidth, offload, self.blocks_in_flight)
         chosen, fits = choose(plans, budget)
-        self._apply(chosen, budget, costs, base, fits)
+        self._apply(chosen, budget, costs, max(phases.values()), fits)
         return chosen
 
     def _apply(
-        self, plan: Plan, budget: int, costs: dict[str, BlockCost], base: int, fits: bool
+        self, plan: Plan, budget: int, costs: dict[str, BlockCost], measured: int, fits: bool
     ) -> None:
         for path, block in self.blocks.items():
             block.checkpoint = path in plan.checkpointed
@@ -298,7 +347,7 @@ class BudgetPlanner:
             len(plan.offloaded),
             plan.estimate_bytes / GIB,
             budget / GIB,
-            base / GIB,
+            measured / GIB,
             widest / GIB,
         )
         if fits:
@@ -309,7 +358,7 @@ class BudgetPlanner:
 
 def candidate_plans(
     costs: dict[str, BlockCost],
-    base: int,
+    peaks: dict[int, int],
     block_s: float,
     bandwidth: float,
     offload: bool,
@@ -317,32 +366,41 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every plan: ``k`` = 0..n checkpointed blocks, without and (if allowed) with offload.
 
-    ``costs`` are the candidates' in forward order; ``base`` the estimate with every block
-    checkpointed; ``block_s`` one block's forward in seconds; ``bandwidth`` device-to-host bytes
-    per second (module doc).
+    ``costs`` are the candidates' in forward order; ``peaks`` maps a phase of the measured step
+    (named by how many leading blocks hold their activations in it) to its peak with every block
+    checkpointed; ``block_s`` is one block's forward in seconds; ``bandwidth`` device-to-host
+    bytes per second (module doc).
 
     Example:
         >>> costs = {"b.0": BlockCost(100, 10), "b.1": BlockCost(100, 10)}
-        >>> [p.estimate_bytes for p in candidate_plans(costs, 1000, 1.0, 0.0, offload=False)]
-        [1200, 1100, 1000]
+        >>> # the forward peaks at 1000, the end of backward (no block holding anything) at 1150
+        >>> plans = candidate_plans(costs, {2: 1000, 0: 1150}, 1.0, 0.0, offload=False)
+        >>> [p.estimate_bytes for p in plans]
+        [1200, 1150, 1150]
     """
     paths = list(costs)
     n = len(paths)
     plans = []
     for offloading in (False, True) if offload else (False,):
-        offloaded = tuple(paths[:-1]) if offloading else ()
+        offloaded = set(paths[:-1]) if offloading else set()
         for k in range(n + 1):
             checkpointed = tuple(spread_evenly(paths, k))
-            estimate = base + sum(costs[p].activation_bytes for p in paths if p not in checkpointed)
+            # what each block holds on the device beyond its all-checkpointed self, and moves off
+            extra = [0 if p in checkpointed else costs[p].activation_bytes for p in paths]
             moved = [
-                costs[p].input_bytes + (0 if p in checkpointed else costs[p].activation_bytes)
-                for p in offloaded
+                costs[p].input_bytes + e if p in offloaded else 0
+                for p, e in zip(paths, extra, strict=True)
             ]
-            if moved:
-                estimate += blocks_in_flight * max(moved) - sum(moved)
-            copy_s = sum(moved) / bandwidth if moved else 0.0
+            estimate = max(
+                peak + sum(extra[:held]) - sum(moved[:held]) for held, peak in peaks.items()
+            )
+            if offloaded:
+                estimate += blocks_in_flight * max(moved)
+            copy_s = sum(moved) / bandwidth if offloaded else 0.0
             cost = k * block_s + max(0.0, copy_s - n * block_s)  # copies beyond the forward
-            plans.append(Plan(checkpointed, offloaded, estimate, cost))
+            plans.append(
+                Plan(checkpointed, tuple(p for p in paths if p in offloaded), estimate, cost)
+            )
     return plans
 
 
@@ -351,7 +409,7 @@ def choose(plans: list[Plan], budget: int) -> tuple[Plan, bool]:
     the plan with the smallest estimate, and False.
 
     Example:
-        >>> choose(candidate_plans(costs, 1000, 1.0, 0.0, offload=False), 1150)[0].checkpointed
+        >>> choose(candidate_plans(costs, {2: 1000}, 1.0, 0.0, offload=False), 1150)[0].checkpointed
         ('b.1',)
     """
     fitting = [p for p in plans if p.estimate_bytes <= budget]
