@@ -313,7 +313,7 @@ class BudgetPlanner:
         figures += [float(m.costs[p].input_bytes) for p in paths]
         figures = _max_over_ranks(figures, device)
         block_s = figures[0]
-        phases = {held: int(b) for held, b in enumerate(figures[1 : n + 2]) if b > 0}
+        phases = {held: int(b) for held, b in enumerate(figures[1 : n + 2]) if b > 0} or {n: 0}
         costs = {
             p: BlockCost(int(figures[n + 2 + i]), int(figures[2 * n + 2 + i]))
             for i, p in enumerate(paths)
