@@ -39,8 +39,8 @@ block's share. Its cost in seconds is ``k`` recomputed block forwards (the first
 block forward, timed with CUDA events) plus the offload copies the forward cannot hide (bytes
 over the measured device-to-host bandwidth, beyond the forward's duration). The cheapest plan
 within the budget wins, fewer offloaded blocks breaking ties; when none fits, the one with the
-smallest estimate runs and a warning says by how much it misses. Under ``torch.distributed`` every rank plans with
-the maximum of all ranks' figures, so all ranks choose the same blocks.
+smallest estimate runs and a warning says by how much it misses. Under ``torch.distributed``
+every rank plans with the maximum of all ranks' figures, so all ranks choose the same blocks.
 """
 
 from __future__ import annotations
@@ -163,9 +163,9 @@ class BudgetPlanner:
     def _before_optimizer_step(self, *_: Any) -> None:
         m = self._measured
         if m.forwards > 0 and not self._stepped and m.phase is not None:
-            self._next_phase(0)  # the optimizer step: parameters and gradients, nothing held
+            self._next_phase(None)
+            # the optimizer step: parameters and gradients, no block holding anything
             m.peaks[0] = max(m.peaks.get(0, 0), torch.cuda.memory_allocated(self._device))
-            m.phase = None
 
     def _optimizer_step(self, *_: Any) -> None:
         # Steps before this model's first forward (another model's optimizer) end nothing.
