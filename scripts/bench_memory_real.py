@@ -33,6 +33,8 @@ smaller device so that probes stay short; the ratio between the three is what th
 Probes compile with dynamic shapes, so every length after the first reuses the compile caches.
 Variants with offload run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless it is
 set, as ``litegen launch`` runs them.
+``--mlp-chunk-tokens N`` runs every LiteGen variant with ``optimization.memory.mlp_chunk_tokens``
+(the MLPs recompute their hidden activation N tokens at a time; hand-written variants unchanged).
 
     python3 scripts/bench_memory_real.py --out wan_table.json
     python3 scripts/bench_memory_real.py --longest --variants --seed-from wan_table.json \\
@@ -103,6 +105,7 @@ class Runner:
             "auto_budget_gib": a.auto_budget_gib,
             "blocks_in_flight": a.offload_blocks_in_flight,
             "precision": a.precision,
+            "mlp_chunk_tokens": a.mlp_chunk_tokens,
         }
         command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)]
         print(f"[{time.perf_counter() - self.start:6.0f} s] {mode} {variant} @ {frames} frames")
@@ -269,6 +272,11 @@ def main() -> None:
         "the offloader's)",
     )
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16-mixed"])
+    parser.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        help="optimization.memory.mlp_chunk_tokens of every LiteGen variant (default: off)",
+    )
     parser.add_argument("--longest", action="store_true", help="search the longest sequences")
     parser.add_argument(
         "--probe", nargs="+", default=[], metavar="VARIANT@FRAMES", help="single probes"
@@ -315,6 +323,7 @@ def main() -> None:
         "backend": args.backend,
         "offload_blocks_in_flight": args.offload_blocks_in_flight,
         "precision": args.precision,
+        "mlp_chunk_tokens": args.mlp_chunk_tokens,
         "memory_limit_gib": args.memory_limit_gib,
     }
     rows = run_table(runner, args.variants, args.frames) if args.variants else []

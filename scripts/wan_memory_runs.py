@@ -117,7 +117,7 @@ def _prepare(model: Any, variant: Variant, opts: dict[str, Any], device: Any) ->
     from litegen.memory import ActivationOffloader, apply_memory_optimizations, block_forward
     from litegen.utils.config import CompileConfig, MemoryConfig
 
-    memory = dict(variant.memory)
+    memory = dict(variant.memory, mlp_chunk_tokens=opts.get("mlp_chunk_tokens"))
     if variant.memory.get("activation_checkpoint", {}).get("selective_ratio") == "auto":
         ac = dict(memory["activation_checkpoint"], memory_budget_gib=opts["auto_budget_gib"])
         memory["activation_checkpoint"] = ac

@@ -1,11 +1,11 @@
 """Real diffusers transformers under every strategy (gloo, CPU ranks): they train as DDP does.
 
-The eight architectures of ``scripts/real_models.py`` at their tiny sizes train a few steps
-under ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2
-simulated nodes; a covering set of runs adds activation checkpointing, CPU offload and regional
+The eight architectures of ``scripts/real_models.py`` at their tiny sizes train a few steps under
+ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2 simulated
+nodes; a covering set of runs adds activation checkpointing, CPU offload, chunked MLPs and regional
 compile. Starting ranks costs seconds, so one group of processes runs every 2-rank case of every
-model (``initialize`` and ``prepare`` again for each, on a fresh model) and one more every
-4-rank case; the tests then assert on the returned results one case at a time.
+model (``initialize`` and ``prepare`` again for each, on a fresh model) and one more every 4-rank
+case; the tests then assert on the returned results one case at a time.
 
 Losses and final weights are compared with DDP's at ``rtol=1e-5, atol=1e-6``: fp32 throughout,
 the same global batches, and strategies that differ only in the order gradients are summed.
@@ -44,6 +44,11 @@ OPTIONS = {
     "checkpoint": {"memory": CHECKPOINT},
     "offload": {"memory": CHECKPOINT | {"activation_offload": True}},
     "compile": {"compile": {"enabled": True}},
+    "chunked_mlp": {"memory": CHECKPOINT | {"mlp_chunk_tokens": 7}},
+    "chunked_mlp_compile": {
+        "memory": CHECKPOINT | {"mlp_chunk_tokens": 7},
+        "compile": {"enabled": True},
+    },
 }
 # Each option under several strategies and models, every strategy with some option (offload
 # is not offered under fsdp2/hsdp). Compile is the costly one (Dynamo traces diffusers' blocks,
@@ -60,6 +65,8 @@ OPTION_CASES = [
     ("cogvideox", "zero2", "checkpoint"),
     ("hunyuan_video", "fsdp2", "checkpoint"),
     ("wan", "fsdp1", "checkpoint"),
+    ("wan", "fsdp2", "chunked_mlp"),
+    ("pixart", "zero1", "chunked_mlp_compile"),
 ]
 HSDP_OPTION_CASES = [("dit", "hsdp", "checkpoint"), ("flux", "hsdp", "checkpoint")]
 
@@ -115,6 +122,7 @@ def train(name: str, strategy: str, option: str | None, results: str) -> dict:
         "state": full_weights(gen, model),
         "checkpointed": len(memory.checkpointed),
         "offloaded": memory.offloader.stats.tensors_offloaded if memory.offloader else 0,
+        "chunked_mlps": memory.chunked_mlps,
     }
 
 
@@ -230,13 +238,13 @@ def test_hsdp_matches_ddp(four_ranks, name):
 
 
 def assert_option_applied(got: dict, name: str, option: str) -> None:
-    """The option reached every repeated block (checkpointed, offloaded or compiled)."""
+    """The option reached every repeated block (checkpointed, offloaded, compiled, its MLP
+    chunked)."""
     blocks = len(repeated_blocks(REAL_MODELS[name].build("tiny")))
-    if option == "compile":
-        assert got["compiled"] == blocks and got["checkpointed"] == 0
-    else:
-        assert got["checkpointed"] == blocks and got["compiled"] == 0
-        assert (got["offloaded"] > 0) == (option == "offload")
+    assert got["compiled"] == (blocks if "compile" in option else 0)
+    assert got["checkpointed"] == (0 if option == "compile" else blocks)
+    assert (got["offloaded"] > 0) == (option == "offload")
+    assert got["chunked_mlps"] == (blocks if option.startswith("chunked_mlp") else 0)
 
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids="-".join)

@@ -81,6 +81,7 @@ def test_defaults_of_every_field() -> None:
                     "inside_compile": True,
                 },
                 "activation_offload": False,
+                "mlp_chunk_tokens": None,
             },
             "kernels": {"fused_layernorm": False, "attention_backend": "auto"},
             "experimental": {

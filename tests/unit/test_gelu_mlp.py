@@ -168,6 +168,18 @@ def test_flops_are_counted_as_for_the_unfused_mlp():
     assert counts[0] == counts[1] > 0
 
 
+def traced_ops(counter: CompileCounterWithBackend) -> list[str]:
+    """The ops of every graph Dynamo made, and of the subgraphs (checkpointed regions) in them."""
+    return [
+        str(node.target)
+        for graph in counter.graphs
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    ]
+
+
 def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -180,6 +192,8 @@ def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
     ref_dx, ref_grads = grads_of(eager, x, t)
     dx, grads = grads_of(compiled, x, t)
     assert counter.frame_count == 1  # the custom op is opaque: no graph break around it
+    # Traced, not fallen back to the plain forward (which would match eager just as well).
+    assert traced_ops(counter).count("litegen.gelu_mlp.default") == 1
     torch.testing.assert_close(dx, ref_dx)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
@@ -245,3 +259,18 @@ def test_diffusers_gelu_approximate_feed_forward_is_fused_and_computes_the_same(
     torch.testing.assert_close(dx, ref_dx)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_a_compiled_diffusers_feed_forward_runs_the_fused_op():
+    from diffusers.models.attention import FeedForward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = FeedForward(16, activation_fn="gelu-approximate")
+    fused = copy.deepcopy(reference)
+    apply_fused_gelu_mlp(fused)
+    counter = CompileCounterWithBackend("aot_eager")
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(torch.compile(fused, backend=counter)(x), reference(x))
+    assert traced_ops(counter).count("litegen.gelu_mlp.default") == 1
+    torch._dynamo.reset()

@@ -219,6 +219,10 @@ class MemoryConfig(Section):
     checkpointed blocks' inputs, everything other blocks save (the last block keeps its own).
     Needs no checkpointing; with ``selective_ratio: auto`` it lets the planner offload when
     checkpointing alone cannot meet the budget."""
+    mlp_chunk_tokens: int | None = Field(None, ge=1)
+    """Linear-GELU(tanh)-Linear MLPs keep only their input for backward and run this many tokens
+    at a time, recomputing their hidden activation in backward (``litegen.memory.chunked_mlp``):
+    for long sequences, where those wide activations set the peak; one more GEMM per MLP."""
 
 
 class KernelsConfig(Section):
@@ -356,12 +360,17 @@ class OptimizationConfig(Section):
 
     @field_validator("experimental")
     @classmethod
-    def _persistent_rows_needs_compile(cls, value: ExperimentalConfig, info: Any) -> Any:
-        compile_cfg = info.data.get("compile")
+    def _experimental_needs(cls, value: ExperimentalConfig, info: Any) -> Any:
+        compile_cfg, memory = info.data.get("compile"), info.data.get("memory")
         if value.persistent_rows is not None and compile_cfg and not compile_cfg.enabled:
             raise ValueError(
                 "persistent_rows changes the kernels that compile generates, and compile is off; "
                 "set optimization.compile.enabled: true, or leave persistent_rows unset."
+            )
+        if value.fused_gelu_mlp and memory and memory.mlp_chunk_tokens is not None:
+            raise ValueError(
+                "fused_gelu_mlp and optimization.memory.mlp_chunk_tokens both replace the GELU "
+                "MLPs' forward; keep mlp_chunk_tokens for memory, or fused_gelu_mlp for speed."
             )
         return value
 

@@ -7,6 +7,7 @@ then compile, then sharding), so it works the same under every strategy.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,11 @@ from litegen.memory.checkpointing import (
     select_evenly,
     wrap_blocks,
 )
+from litegen.memory.chunked_mlp import apply_chunked_mlp
 from litegen.memory.offload import BLOCKS_IN_FLIGHT, ActivationOffloader, OffloadStats
 from litegen.memory.stats import format_peak_memory, peak_memory_since_last_call
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ActivationOffloader",
@@ -31,6 +35,7 @@ __all__ = [
     "BudgetPlanner",
     "MemoryReport",
     "OffloadStats",
+    "apply_chunked_mlp",
     "apply_memory_optimizations",
     "block_forward",
     "checkpoint_modules",
@@ -53,6 +58,7 @@ class MemoryReport:
     memory_budget: float | None = None  # policy memory_budget: applied by compile_blocks
     offloaded: list[str] = field(default_factory=list)
     planner: BudgetPlanner | None = None  # selective_ratio auto
+    chunked_mlps: int = 0  # mlp_chunk_tokens
 
     @property
     def measuring(self) -> bool:
@@ -61,6 +67,12 @@ class MemoryReport:
 
     def describe(self) -> str:
         """One log line, e.g. ``checkpointed 2 of 4 blocks (policy block): b.1, b.3; offload on``."""
+        blocks = self._describe_blocks()
+        if not self.chunked_mlps:
+            return blocks
+        return f"{blocks}; {self.chunked_mlps} GELU MLPs run in chunks of tokens"
+
+    def _describe_blocks(self) -> str:
         offload = (
             f"activation offload: {len(self.offloaded)} of {len(self.candidates)} blocks"
             if self.offloader is not None
@@ -116,6 +128,7 @@ def apply_memory_optimizations(
     tensors the backward needs first: checkpointed blocks' inputs, everything the other blocks
     save. With ``selective_ratio: auto`` every candidate is checkpointed for the first step and
     a :class:`BudgetPlanner` sets the blocks from the second (``report.planner``).
+    ``mlp_chunk_tokens`` routes the model's GELU MLPs through :mod:`.chunked_mlp` first.
 
     Example:
         >>> cfg = MemoryConfig(activation_checkpoint={"enabled": True, "selective_ratio": 0.5})
@@ -123,9 +136,20 @@ def apply_memory_optimizations(
         ['blocks.1', 'blocks.3']
     """
     ac = memory.activation_checkpoint
+    chunked = 0
+    if memory.mlp_chunk_tokens is not None:
+        chunked = apply_chunked_mlp(model, memory.mlp_chunk_tokens)
+        if not chunked:
+            log.warning(
+                "optimization.memory.mlp_chunk_tokens: %s has no Linear-GELU(tanh)-Linear MLP "
+                "to chunk; nothing changed.",
+                type(model).__name__,
+            )
     budget_policy = ac.enabled and ac.policy == "memory_budget"
     report = MemoryReport(
-        policy=ac.policy, memory_budget=ac.memory_budget if budget_policy else None
+        policy=ac.policy,
+        memory_budget=ac.memory_budget if budget_policy else None,
+        chunked_mlps=chunked,
     )
     checkpointing = ac.enabled and not budget_policy  # memory_budget: compile_blocks recomputes
     if not checkpointing and not memory.activation_offload:

@@ -214,7 +214,7 @@ class LiteGen(CheckpointAPI):
                     "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
                     "or use policy ops (or block) without compile."
                 )
-            if memory.candidates or memory.memory_budget is not None:
+            if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
                 # After checkpointing (compiled inside each block's BlockForward) and before the
