@@ -25,8 +25,8 @@ from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
 from tests.unit.test_gelu_mlp import (
     TINY,
     DiT,
+    assert_compiled_dit_runs_op_like_eager,
     grads_of,
-    sample_batch,
     sequential_mlp,
     traced_ops,
 )
@@ -138,28 +138,16 @@ def test_flops_are_counted_as_for_the_plain_mlp():
 
 
 def test_checkpointed_compiled_blocks_with_chunked_mlps_match_eager_in_one_graph():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = DiT(TINY)
-    compiled = copy.deepcopy(eager)
     memory = MemoryConfig(
         activation_checkpoint={"enabled": True, "selective_ratio": 0}, mlp_chunk_tokens=5
     )
-    report = apply_memory_optimizations(compiled, memory)
-    assert report.chunked_mlps == TINY.depth and len(report.checkpointed) == TINY.depth
-    assert "3 GELU MLPs run in chunks of tokens" in report.describe()
-    counter = CompileCounterWithBackend("aot_eager")
-    compile_blocks(compiled, CompileConfig(enabled=True), backend=counter)
-    x, t = sample_batch(TINY, batch=2, tokens=16, device="cpu")
-    ref_dx, ref_grads = grads_of(eager, x, t)
-    dx, grads = grads_of(compiled, x, t)
-    assert counter.frame_count == 1  # the custom op is opaque: no graph break around it
-    # Traced, not fallen back to the plain forward (which would match eager just as well).
-    assert traced_ops(counter).count("litegen.chunked_gelu_mlp.default") == 1
-    torch.testing.assert_close(dx, ref_dx)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
-    torch._dynamo.reset()
+
+    def prepare(model: nn.Module) -> None:
+        report = apply_memory_optimizations(model, memory)
+        assert report.chunked_mlps == TINY.depth and len(report.checkpointed) == TINY.depth
+        assert "3 GELU MLPs run in chunks of tokens" in report.describe()
+
+    assert_compiled_dit_runs_op_like_eager(prepare, "litegen.chunked_gelu_mlp.default")
 
 
 def test_prepare_chunks_the_mlps_and_refuses_the_fused_mlp_beside_it(tmp_path):

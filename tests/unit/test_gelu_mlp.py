@@ -10,6 +10,7 @@ import copy
 import io
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -180,12 +181,14 @@ def traced_ops(counter: CompileCounterWithBackend) -> list[str]:
     ]
 
 
-def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
+def assert_compiled_dit_runs_op_like_eager(prepare: Callable[[nn.Module], object], op: str) -> None:
+    """A tiny DiT, ``prepare``d and compiled regionally (aot_eager), traces ``op`` into its one
+    block graph and gives eager's input and parameter gradients."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = DiT(TINY)
     compiled = copy.deepcopy(eager)
-    assert apply_fused_gelu_mlp(compiled) == TINY.depth
+    prepare(compiled)
     counter = CompileCounterWithBackend("aot_eager")
     compile_blocks(compiled, CompileConfig(enabled=True), backend=counter)
     x, t = sample_batch(TINY, batch=2, tokens=16, device="cpu")
@@ -193,11 +196,15 @@ def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
     dx, grads = grads_of(compiled, x, t)
     assert counter.frame_count == 1  # the custom op is opaque: no graph break around it
     # Traced, not fallen back to the plain forward (which would match eager just as well).
-    assert traced_ops(counter).count("litegen.gelu_mlp.default") == 1
+    assert traced_ops(counter).count(op) == 1
     torch.testing.assert_close(dx, ref_dx)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
     torch._dynamo.reset()
+
+
+def test_compiled_dit_blocks_with_fused_mlps_match_eager_in_one_graph():
+    assert_compiled_dit_runs_op_like_eager(apply_fused_gelu_mlp, "litegen.gelu_mlp.default")
 
 
 def test_under_autocast_it_computes_in_the_autocast_dtype_with_fp32_gradients():

@@ -17,8 +17,8 @@ routed forward would skip them.
 given function (the fused op of ``litegen.experimental.mlp_fusion``, the chunked recompute of
 ``litegen.memory.chunked_mlp``). A class swap, not an instance ``forward``, so every block's MLP
 keeps one class and the blocks still share one compiled graph; the module tree, parameter names
-and ``state_dict`` keys stay the user's. A routed forward checks the MLP again at every call and
-runs the original forward (:func:`original_forward`) when it has changed since (an FSDP unit
+and ``state_dict`` keys stay the user's. A routed forward (:func:`call_routed`) checks the MLP
+again at every call and runs the original forward when it has changed since (an FSDP unit
 wrapped around one of its linears, a hook added, a layer replaced or sliced off).
 
 Example:
@@ -141,6 +141,36 @@ def original_forward(module: nn.Module, x: Tensor, *args: Any, **kwargs: Any) ->
     return base_class(type(module)).forward(module, x, *args, **kwargs)
 
 
+def call_routed(
+    module: nn.Module,
+    x: Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    op: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
+) -> Tensor:
+    """``op(x, w1, b1, w2, b2)`` over ``x``'s rows for a routed MLP, or its original forward.
+
+    The body of a routed forward: it falls back when the MLP no longer matches or gets extra
+    arguments, reads the parameters at every call (so wrappers that swap them, FSDP, still
+    work), and casts like ``nn.Linear`` under autocast: inputs and parameters to the autocast
+    dtype, with gradients flowing back through the casts.
+
+    Example:
+        >>> def my_forward(self, x, *args, **kwargs):
+        ...     return call_routed(self, x, args, kwargs, my_op)
+    """
+    linears = gelu_mlp_linears(module)
+    if linears is None or args or kwargs:  # changed since it was routed (module docstring)
+        return original_forward(module, x, *args, **kwargs)
+    fc1, fc2 = linears
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    tensors = (x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    with torch.autocast(device, enabled=False):
+        y = op(*(t.to(dtype).contiguous() for t in tensors))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _rebuild(base: type[nn.Module], forward: Callable[..., Tensor]) -> nn.Module:
     """Unpickling (and deepcopy) of a routed module: its routed class, made again."""
     module = base.__new__(base)
@@ -187,6 +217,7 @@ def route_gelu_mlps(model: nn.Module, forward: Callable[..., Tensor]) -> int:
 
 __all__ = [
     "base_class",
+    "call_routed",
     "gelu_mlp_linears",
     "original_forward",
     "route_gelu_mlps",

@@ -17,27 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from litegen.experimental.gelu_mlp import gelu_mlp
-from litegen.gelu_mlps import gelu_mlp_linears, original_forward, route_gelu_mlps, routed_forward
+from litegen.gelu_mlps import call_routed, route_gelu_mlps, routed_forward
 
 
 def _fused_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    # Reads the parameters at every call, so wrappers that swap them (FSDP) still work.
-    linears = gelu_mlp_linears(self)
-    if linears is None or args or kwargs:  # changed since it was fused (module docstring)
-        return original_forward(self, x, *args, **kwargs)
-    fc1, fc2 = linears
-    # Casts like nn.Linear under autocast: inputs and parameters to the autocast dtype, with
-    # gradients flowing back through the casts.
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    tensors = (x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    with torch.autocast(device, enabled=False):
-        y, _, _ = gelu_mlp(*(t.to(dtype).contiguous() for t in tensors))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return call_routed(self, x, args, kwargs, lambda *tensors: gelu_mlp(*tensors)[0])
 
 
 def is_fused(module: nn.Module) -> bool:

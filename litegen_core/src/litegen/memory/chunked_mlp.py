@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
-from litegen.gelu_mlps import gelu_mlp_linears, original_forward, route_gelu_mlps, routed_forward
+from litegen.gelu_mlps import call_routed, route_gelu_mlps, routed_forward
 
 _CHUNK_ATTR = "_litegen_mlp_chunk_tokens"
 
@@ -129,21 +129,8 @@ def _backward_flops(grad_y, x, w1, b1, w2, *args, **kwargs) -> int:
 
 
 def _chunked_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    # Reads the parameters at every call, so wrappers that swap them (FSDP) still work.
-    linears = gelu_mlp_linears(self)
-    if linears is None or args or kwargs:  # changed since it was routed (litegen.gelu_mlps)
-        return original_forward(self, x, *args, **kwargs)
-    fc1, fc2 = linears
-    # Casts like nn.Linear under autocast: inputs and parameters to the autocast dtype, with
-    # gradients flowing back through the casts.
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    tensors = (x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    with torch.autocast(device, enabled=False):
-        y = chunked_gelu_mlp(
-            *(t.to(dtype).contiguous() for t in tensors), getattr(self, _CHUNK_ATTR)
-        )
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    chunk_tokens = getattr(self, _CHUNK_ATTR)
+    return call_routed(self, x, args, kwargs, lambda *t: chunked_gelu_mlp(*t, chunk_tokens))
 
 
 def is_chunked(module: nn.Module) -> bool:
