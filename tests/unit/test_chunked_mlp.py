@@ -157,6 +157,7 @@ def test_prepare_chunks_the_mlps_and_refuses_the_fused_mlp_beside_it(tmp_path):
     model = gen.prepare(DiT(TINY))
     chunked = [name for name, m in gen.unwrap(model).named_modules() if is_chunked(m)]
     assert chunked == [f"blocks.{i}.mlp" for i in range(TINY.depth)]
+    assert gen.models[0].memory.describe() == "3 GELU MLPs run in chunks of tokens"
     both = {"memory": {"mlp_chunk_tokens": 8}, "experimental": {"fused_gelu_mlp": True}}
     with pytest.raises(ValueError, match="keep mlp_chunk_tokens for memory, or fused_gelu_mlp"):
         MainConfig.from_dict(base | {"optimization": both})

@@ -67,10 +67,11 @@ class MemoryReport:
 
     def describe(self) -> str:
         """One log line, e.g. ``checkpointed 2 of 4 blocks (policy block): b.1, b.3; offload on``."""
+        chunks = f"{self.chunked_mlps} GELU MLPs run in chunks of tokens"
+        if self.chunked_mlps and not self.candidates and self.memory_budget is None:
+            return chunks  # mlp_chunk_tokens alone: no blocks to speak of
         blocks = self._describe_blocks()
-        if not self.chunked_mlps:
-            return blocks
-        return f"{blocks}; {self.chunked_mlps} GELU MLPs run in chunks of tokens"
+        return f"{blocks}; {chunks}" if self.chunked_mlps else blocks
 
     def _describe_blocks(self) -> str:
         offload = (
