@@ -76,6 +76,15 @@ def grads_of(model: nn.Module, x: torch.Tensor, *args) -> tuple[torch.Tensor, di
     return x.grad, grads | {"loss": loss.detach()}
 
 
+def assert_same_gradients(got: tuple, expected: tuple, **tolerance) -> None:
+    """``(dx, grads)`` of :func:`grads_of` against the reference's: the input gradient at the
+    default tolerance, each parameter's (and the loss) at ``tolerance``, named on a mismatch."""
+    (dx, grads), (ref_dx, ref_grads) = got, expected
+    torch.testing.assert_close(dx, ref_dx)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name, **tolerance)
+
+
 @pytest.mark.parametrize("make", [sequential_mlp, Mlp], ids=["sequential", "timm_mlp"])
 def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
     torch.manual_seed(0)
@@ -88,9 +97,7 @@ def test_fused_mlp_matches_the_module_with_the_same_parameter_names(make):
     x = torch.randn(2, 5, 16)
     ref_dx, ref_grads = grads_of(reference, x)
     dx, grads = grads_of(fused, x)
-    torch.testing.assert_close(dx, ref_dx)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
+    assert_same_gradients((dx, grads), (ref_dx, ref_grads))
 
 
 def with_hook(model: nn.Sequential) -> nn.Sequential:
@@ -197,9 +204,7 @@ def assert_compiled_dit_runs_op_like_eager(prepare: Callable[[nn.Module], object
     assert counter.frame_count == 1  # the custom op is opaque: no graph break around it
     # Traced, not fallen back to the plain forward (which would match eager just as well).
     assert traced_ops(counter).count(op) == 1
-    torch.testing.assert_close(dx, ref_dx)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
+    assert_same_gradients((dx, grads), (ref_dx, ref_grads))
     torch._dynamo.reset()
 
 
@@ -229,9 +234,7 @@ def test_under_autocast_it_matches_the_unfused_mlp_under_autocast():
         ref_dx, ref_grads = grads_of(reference, x)
         dx, grads = grads_of(fused, x)
     assert ref_grads["loss"] != 0
-    torch.testing.assert_close(dx, ref_dx)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
+    assert_same_gradients((dx, grads), (ref_dx, ref_grads))
 
 
 def test_prepare_fuses_the_mlps_of_the_model_when_asked(tmp_path, monkeypatch):
@@ -263,9 +266,7 @@ def test_diffusers_gelu_approximate_feed_forward_is_fused_and_computes_the_same(
     x = torch.randn(2, 5, 16)
     ref_dx, ref_grads = grads_of(reference, x)
     dx, grads = grads_of(fused, x)
-    torch.testing.assert_close(dx, ref_dx)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
+    assert_same_gradients((dx, grads), (ref_dx, ref_grads))
 
 
 def test_a_compiled_diffusers_feed_forward_runs_the_fused_op():
