@@ -16,6 +16,8 @@ graphs, so the second reuses inductor's caches.
 
     python3 scripts/bench_launch.py --out bench_launch.json                       # GPU
     python3 scripts/bench_launch.py --models dit,wan --variants compiled --profile
+    python3 scripts/bench_launch.py --models wan --variants tuned-rows --launch-only \
+        --launch-override optimization.compile.options.max_autotune_pointwise=true
     python scripts/bench_launch.py --device cpu --tiny                            # CPU smoke run
 
 ``--profile`` traces three steps after the window on each side (torch.profiler) and prints
@@ -52,25 +54,27 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 TINY = {"batch": 4, "samples": 8}
 # Variant "tuned": compiled on both sides, and LiteGen's recommended settings on the launch side
-# only (bf16 parameters with FP32 masters, the experimental kernels); the hand side stays the
-# plain compiled loop it is compared with.
+# only (bf16 parameters with FP32 masters, the experimental kernels, inductor's coordinate-descent
+# tuning of its kernels); the hand side stays the plain compiled loop it is compared with.
 TUNED = [
     "optimization.precision.preset=bf16-mixed",
     "optimization.experimental.persistent_rows=2048",
     "optimization.experimental.fused_gelu_mlp=true",
     "optimization.experimental.master_adamw=true",
+    "optimization.compile.options.coordinate_descent_tuning=true",
 ]
 # Launch-side settings of each variant; "tuned-<x>" variants leave one setting of TUNED out, so a
 # run of them attributes the tuned gain (or cost) to each setting on a given model.
-PRESET, ROWS, GELU, ADAMW = TUNED
+PRESET, ROWS, GELU, ADAMW, TUNING = TUNED
 VARIANTS: dict[str, list[str]] = {
     "eager": [],
     "compiled": [],
     "tuned": TUNED,
     "preset": [PRESET],
-    "tuned-rows": [PRESET, GELU, ADAMW],
-    "tuned-gelu": [PRESET, ROWS, ADAMW],
-    "tuned-adamw": [PRESET, ROWS, GELU],
+    **{
+        f"tuned-{name}": [setting for setting in TUNED if setting != left_out]
+        for name, left_out in (("rows", ROWS), ("gelu", GELU), ("adamw", ADAMW), ("tuning", TUNING))
+    },
 }
 
 
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 rounds=args.repeats,
                 side_overrides={
                     "hand": [f"trainer.log_every={args.hand_log_every}"],
-                    "launch": VARIANTS[variant],
+                    "launch": [*VARIANTS[variant], *args.launch_override],
                 },
                 sides=("launch",) if args.launch_only else ("hand", "launch"),
             )
@@ -171,6 +175,13 @@ def main() -> None:
     parser.add_argument("--models", default="dit,pixart,wan,cogvideox")
     parser.add_argument("--variants", default="eager,compiled", help=", ".join(VARIANTS))
     parser.add_argument("--launch-only", action="store_true", help="no hand side (ablations)")
+    parser.add_argument(
+        "--launch-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the launch side, after the variant's (repeatable)",
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny configs, 3 steps, eager")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating")
