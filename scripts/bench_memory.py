@@ -63,7 +63,7 @@ CASES: dict[str, Case] = {
     "selective_0.5": Case(True, 0.5, "block"),
     "selective_0.75": Case(True, 0.75, "block"),
     "ops": Case(True, 0.0, "ops"),
-    "ops_lean": Case(True, 0.0, "ops_lean"),
+    "ops_all": Case(True, 0.0, "ops_all"),
     "full_offload": Case(True, 0.0, "block", offload=True),
     **{f"budget_{b}": Case(True, 0.0, "memory_budget", budget=b) for b in (0.5, 0.3, 0.1)},
 }

@@ -15,7 +15,7 @@ the peak is ``max_memory_allocated`` over the timed steps. Variants:
     hand_ckpt            hand-written: checkpoint_wrapper(compiled block) on every block
     full                 LiteGen, selective_ratio 0 (checkpoint inside the compiled block)
     full_outside         LiteGen, selective_ratio 0, inside_compile false
-    ops, ops_lean        LiteGen, selective_ratio 0 with policy ops / ops_lean
+    ops, ops_all         LiteGen, selective_ratio 0 with policy ops / ops_all
     half                 LiteGen, selective_ratio 0.5
     half_offload         half + activation_offload (every block but the last)
     half_offload_inputs  half, offloading only the checkpointed blocks' inputs (offload's old scope)

@@ -46,8 +46,8 @@ VARIANTS: dict[str, Variant] = {
         memory={"activation_checkpoint": _ac(0, inside_compile=False)},
     ),
     "ops": Variant("LiteGen, policy ops", memory={"activation_checkpoint": _ac(0, policy="ops")}),
-    "ops_lean": Variant(
-        "LiteGen, policy ops_lean", memory={"activation_checkpoint": _ac(0, policy="ops_lean")}
+    "ops_all": Variant(
+        "LiteGen, policy ops_all", memory={"activation_checkpoint": _ac(0, policy="ops_all")}
     ),
     "half": Variant("LiteGen, half the blocks", memory={"activation_checkpoint": _ac(0.5)}),
     "half_offload": Variant(
@@ -74,7 +74,7 @@ TABLE = [
     "full",
     "full_outside",
     "ops",
-    "ops_lean",
+    "ops_all",
     "half",
     "half_offload",
     "half_offload_inputs",

@@ -38,7 +38,7 @@ def loss_and_grads(model, tokens=64):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("policy", [None, "block", "ops", "ops_lean", "memory_budget"])
+@pytest.mark.parametrize("policy", [None, "block", "ops", "ops_all", "memory_budget"])
 def test_inductor_blocks_match_eager(policy):
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -66,10 +66,10 @@ def test_backward_flops_rise_by_exactly_the_recomputed_blocks(ratio, expected):
 
 
 # Extra backward FLOPs per block. Of ada (2x wider), qkv (3x), proj, mlp.0 (4x) and mlp.2,
-# ops recomputes no matmul and ops_lean only mlp.0, the one that widens its input 4x.
+# ops_all recomputes no matmul and ops only mlp.0, the one that widens its input 4x.
 @pytest.mark.parametrize(
     ("policy", "extra_per_block"),
-    [("ops", 0), ("ops_lean", 2 * BATCH * TOKENS * HIDDEN * 4 * HIDDEN)],
+    [("ops_all", 0), ("ops", 2 * BATCH * TOKENS * HIDDEN * 4 * HIDDEN)],
 )
 def test_op_policies_recompute_exactly_their_matmuls(policy, extra_per_block):
     x, cond = batch()
@@ -106,12 +106,12 @@ def test_memory_budget_policy_leaves_the_blocks_to_compile():
         memory_cfg(0.0),
         memory_cfg(0.5),
         memory_cfg(0.0, policy="ops"),
-        memory_cfg(0.0, policy="ops_lean"),
+        memory_cfg(0.0, policy="ops_all"),
         memory_cfg(0.0, offload=True),
         memory_cfg(0.5, offload=True, policy="ops"),
         MemoryConfig(activation_offload=True),
     ],
-    ids=["full", "half", "ops", "ops_lean", "offload", "half-ops-offload", "offload-only"],
+    ids=["full", "half", "ops", "ops_all", "offload", "half-ops-offload", "offload-only"],
 )
 def test_losses_and_gradients_are_exactly_unchanged(cfg):
     expected = loss_and_grads(make_net(), batch())

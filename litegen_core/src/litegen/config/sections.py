@@ -168,9 +168,10 @@ class ActivationCheckpointConfig(Section):
         0.9, gt=0.0, le=1.0, description="selective_ratio auto without memory_budget_gib"
     )
     target_paths: list[str] = Field(default_factory=list)
-    policy: Literal["block", "ops", "ops_lean", "memory_budget"] = "block"
-    """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs, recomputes the
-    rest; ``ops_lean`` also recomputes matmuls that widen their input 4x (MLP up-projections);
+    policy: Literal["block", "ops", "ops_all", "memory_budget"] = "block"
+    """``block`` recomputes whole blocks; ``ops`` keeps matmul/attention outputs but those that
+    widen their input 4x (MLP up-projections) and recomputes the rest; ``ops_all`` keeps every
+    matmul/attention output;
     ``memory_budget`` (needs ``optimization.compile``) lets compile's partitioner choose what
     every compiled block saves, within ``memory_budget``."""
     memory_budget: float = Field(
@@ -200,7 +201,7 @@ class ActivationCheckpointConfig(Section):
                 "selective_ratio: auto chooses how many blocks to checkpoint whole, and policy is "
                 f"{self.policy}; use policy: block with auto, or a number for selective_ratio."
             )
-        if not self.inside_compile and self.policy in ("ops", "ops_lean"):
+        if not self.inside_compile and self.policy in ("ops", "ops_all"):
             raise ValueError(
                 f"policy {self.policy} chooses ops inside the compiled block, which it sees only "
                 "with the checkpoint inside compile; set inside_compile: true, or policy: block."

@@ -29,7 +29,8 @@ from litegen.module_paths import submodules_at
 
 aten = torch.ops.aten
 
-# Outputs kept by the ``ops`` policy: the expensive ops (matmuls, attention, convolutions).
+# Outputs kept by the ``ops_all`` policy: the expensive ops (matmuls, attention, convolutions);
+# ``ops`` keeps them too, but for the widening linear layers.
 # Everything else in a checkpointed block (norms, activations, adds, modulation) is recomputed,
 # which costs little time but frees most of the block's activation memory.
 _SAVED_OPS_NAMES = (
@@ -60,20 +61,20 @@ LINEAR_OPERANDS = {
     for name, first in _LINEAR_OPERANDS.items()
     if hasattr(aten, name)
 }
-# ``ops_lean`` recomputes linear layers whose output is at least this many times wider than
-# their input: a DiT/ViT MLP's up-projection (4x), the widest activation of a block.
-LEAN_RECOMPUTE_WIDENING = 4
+# ``ops`` recomputes linear layers whose output is at least this many times wider than their
+# input: a DiT/ViT MLP's up-projection (4x), the widest activation of a block.
+RECOMPUTE_WIDENING = 4
 
 
 def _keep_expensive_ops(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def ops_policy_context() -> tuple[Any, Any]:
+def ops_all_policy_context() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint``: save matmul/attention outputs, recompute the rest.
 
     Example:
-        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context)
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_all_policy_context)
     """
     return create_selective_checkpoint_contexts(_keep_expensive_ops)
 
@@ -88,21 +89,21 @@ def _widening(func: Any, args: tuple) -> float:
 def _keep_all_but_widening_linears(
     ctx: Any, func: Any, *args: Any, **kwargs: Any
 ) -> CheckpointPolicy:
-    if func in LINEAR_OPERANDS and _widening(func, args) >= LEAN_RECOMPUTE_WIDENING:
+    if func in LINEAR_OPERANDS and _widening(func, args) >= RECOMPUTE_WIDENING:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return _keep_expensive_ops(ctx, func, *args, **kwargs)
 
 
-def ops_lean_policy_context() -> tuple[Any, Any]:
-    """Like :func:`ops_policy_context`, but also recomputes the widening linear layers.
+def ops_policy_context() -> tuple[Any, Any]:
+    """Like :func:`ops_all_policy_context`, but also recomputes the widening linear layers.
 
-    A linear layer (``mm``/``addmm``) whose output is at least ``LEAN_RECOMPUTE_WIDENING`` (4)
+    A linear layer (``mm``/``addmm``) whose output is at least ``RECOMPUTE_WIDENING`` (4)
     times wider than its input is recomputed: in DiT and ViT blocks that is the MLP's
     up-projection, whose output is the largest activation of the block. Recomputing it costs
-    one matmul per block.
+    one matmul per block and frees about a third of what keeping every matmul output holds.
 
     Example:
-        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_lean_policy_context)
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context)
     """
     return create_selective_checkpoint_contexts(_keep_all_but_widening_linears)
 
@@ -111,7 +112,7 @@ def ops_lean_policy_context() -> tuple[Any, Any]:
 POLICY_CONTEXTS: dict[str, Callable[[], tuple[Any, Any]] | None] = {
     "block": None,
     "ops": ops_policy_context,
-    "ops_lean": ops_lean_policy_context,
+    "ops_all": ops_all_policy_context,
 }
 
 
@@ -202,8 +203,8 @@ def checkpoint_modules(
 ) -> list[str]:
     """Checkpoint the submodules at ``paths`` in place; returns the paths patched.
 
-    ``policy="ops"`` keeps matmul and attention outputs inside each block (selective checkpoint
-    contexts); ``"ops_lean"`` recomputes the widening linear layers (MLP up-projections) too.
+    ``policy="ops_all"`` keeps matmul and attention outputs inside each block (selective
+    checkpoint contexts); ``"ops"`` recomputes the widening linear layers (MLP up-projections) too.
     With an ``offloader`` (:class:`litegen.memory.offload.ActivationOffloader`), the inputs each
     block saves go to host memory until the backward pass needs them.
 
