@@ -3,10 +3,10 @@
 Traces come from ``bench_dit.py --profile --trace DIR`` and from ``bench_launch.py --profile
 --work DIR`` (``DIR/<model>_<variant>/<side>_<round>/profile_trace.json.gz``).
 
-``bench_dit.py --profile`` sums kernel time by category; this reads one kept trace and names the kernels
-behind the sums (the heaviest, in ms per step and calls per step) and the gaps between them
-(time with no compute kernel running, by length, and the longest with their neighbours and the
-host calls that overlap them):
+``bench_dit.py --profile`` sums kernel time by category; this reads one kept trace and names the
+kernels behind the sums (the heaviest, in ms per step and calls per step) and the gaps between
+them (time with no compute kernel running, by length, and the longest with their neighbours and
+the host calls that overlap them):
 
     torchrun --nproc_per_node=1 scripts/bench_dit.py --workload C --compile --profile --trace traces
     python scripts/trace_kernels.py traces/C_ddp_litegen.json.gz --top 30
