@@ -3,7 +3,7 @@
 For each model of ``real_models.py`` and each variant (eager; compiled: each transformer block's
 ``forward`` compiled in place on both sides; tuned: compiled, with LiteGen's recommended
 settings, :data:`TUNED`, on the launch side only; ``tuned-<x>``: the same without one of them,
-with ``--launch-only`` an ablation), a recipe with ``real_model_entry.py`` is written to
+with ``--launch-only`` an ablation; ``tuned-wan``: Wan's recommended settings), a recipe with ``real_model_entry.py`` is written to
 the work folder and run by ``launch_vs_hand.py``: ``litegen launch`` (1 rank) and
 ``hand_loop.py`` (a DataLoader over the same dataset, bf16 autocast, the same fused AdamW), each
 in its own process, alternating, ``--repeats`` times. A side's samples/s is the median of its
@@ -66,6 +66,9 @@ TUNED = [
 # Launch-side settings of each variant; "tuned-<x>" variants leave one setting of TUNED out, so a
 # run of them attributes the tuned gain (or cost) to each setting on a given model.
 PRESET, ROWS, GELU, ADAMW, TUNING = TUNED
+# Wan's own experimental kernel; "tuned-wan" is Wan's recommended settings: TUNED without the
+# one-pass norms, which are slower on Wan, and with its fused self-attention.
+WAN_ATTENTION = "optimization.experimental.fused_wan_attention=true"
 VARIANTS: dict[str, list[str]] = {
     "eager": [],
     "compiled": [],
@@ -75,6 +78,7 @@ VARIANTS: dict[str, list[str]] = {
         f"tuned-{name}": [setting for setting in TUNED if setting != left_out]
         for name, left_out in (("rows", ROWS), ("gelu", GELU), ("adamw", ADAMW), ("tuning", TUNING))
     },
+    "tuned-wan": [*(setting for setting in TUNED if setting != ROWS), WAN_ATTENTION],
 }
 
 

@@ -9,7 +9,7 @@
   activation checkpointing and offload, zero1, zero2 with selective checkpointing (policy ops),
   compile of checkpointed blocks (aot_eager: one graph, no graph break), and
   dp x sp = 2 x 2 under fsdp2 (with checkpointing and EMA) and hsdp (two simulated nodes), with
-  gradient clipping.
+  gradient clipping; Wan with its fused self-attention (``experimental.fused_wan_attention``).
 - Resume across sp: a run checkpoint of sp = 2 continues at sp = 1, and the reverse.
 - The collectives against their definitions (forward and adjoint), a copy of a prepared model
   run on one rank with sequence parallelism off, and the error for heads that do not divide.
@@ -253,6 +253,23 @@ def compiled(tmp: str, sp: int) -> dict:
     return result
 
 
+def fused_wan_attention(tmp: str, sp: int) -> dict:
+    """Wan with ``optimization.experimental.fused_wan_attention`` (on any torch, for the test)."""
+    from litegen import experimental
+    from litegen.experimental import wan_attention
+
+    experimental.TESTED_TORCH["fused_wan_attention"] = (experimental.torch_release(),)
+    real, swapped = wan_attention.apply_fused_wan_attention, []
+    wan_attention.apply_fused_wan_attention = lambda model: (
+        swapped.append(real(model)) or swapped[-1]
+    )
+    try:
+        result = train(tmp, sp, optimization={"experimental": {"fused_wan_attention": True}})
+    finally:
+        wan_attention.apply_fused_wan_attention = real
+    return result | {"swapped": swapped}
+
+
 def collectives() -> dict:
     """The all-to-alls and the gather against their definitions, forward and backward."""
     from litegen.parallel.sequence.comm import gather, heads_to_seq, seq_to_heads
@@ -298,6 +315,7 @@ def two_ranks(tmp: str) -> dict:
     ops = {"activation_checkpoint": CHECKPOINT["activation_checkpoint"] | {"policy": "ops"}}
     out["sp2/zero2"] = train(f"{tmp}/zero2", 2, "zero2", optimization={"memory": ops})
     out["sp2/compile"] = compiled(f"{tmp}/compile", 2)
+    out["sp2/fused_wan_attention"] = fused_wan_attention(f"{tmp}/fused_wan", 2)
     return out
 
 
@@ -374,6 +392,12 @@ def test_sp2_compiled_blocks_equal_dp2_without_graph_breaks(two):
 @pytest.mark.parametrize(("source", "sp"), [("sp2", 1), ("dp2", 2)])
 def test_resume_across_sequence_parallel_sizes(two, source, sp):
     assert_same_run(two[0][f"resume {source} at sp{sp}"], two[0][source], first_step=2)
+
+
+def test_sp2_with_fused_wan_attention_equals_dp2(two):
+    result = two[0]["sp2/fused_wan_attention"]
+    assert result["swapped"] == [2]  # both tiny blocks' self-attention
+    assert_same_run(result, two[0]["dp2"])
 
 
 @pytest.mark.parametrize("run", ["fsdp2 2x2", "hsdp 2x2"])

@@ -88,6 +88,7 @@ def test_defaults_of_every_field() -> None:
                 "persistent_rows": None,
                 "fused_gelu_mlp": False,
                 "master_adamw": False,
+                "fused_wan_attention": False,
             },
             "lora": None,
             "profiles": {},

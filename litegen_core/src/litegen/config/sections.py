@@ -250,6 +250,9 @@ class ExperimentalConfig(Section):
     master_adamw: bool = False
     """FP32 master weights stepped by one Triton kernel for all parameters (CUDA, AdamW with
     ``optimizer.fp32_master_weights`` and ``backend: fused``)."""
+    fused_wan_attention: bool = False
+    """diffusers' Wan self-attention with one QKV GEMM, and its query and key RMSNorm with the
+    rotary embedding in one Triton kernel each way (CUDA)."""
 
 
 class LoRAConfig(Section):

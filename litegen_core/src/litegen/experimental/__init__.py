@@ -12,7 +12,10 @@ master-weight optimizer's kernel, a module swap).
 - ``fused_gelu_mlp``: the GELU of Linear-GELU-Linear MLPs in cuBLASLt's GEMM epilogues
   (:mod:`.gelu_mlp`, :mod:`.mlp_fusion`; cuBLASLt through ctypes);
 - ``master_adamw``: FP32 master AdamW in one Triton pass for all parameters
-  (:mod:`.master_adamw`).
+  (:mod:`.master_adamw`);
+- ``fused_wan_attention``: Wan's self-attention with one QKV GEMM and its query and key norms
+  and rotary embedding in one Triton pass (:mod:`.wan_attention`, :mod:`.qk_norm_rope`; a
+  diffusers processor swap).
 
 Example:
     >>> from litegen.experimental import Lab
@@ -40,6 +43,7 @@ TESTED_TORCH: dict[str, tuple[str, ...]] = {
     "persistent_rows": ("2.11",),
     "fused_gelu_mlp": ("2.11",),
     "master_adamw": ("2.11",),
+    "fused_wan_attention": ("2.11",),
 }
 
 
@@ -83,7 +87,28 @@ class Lab:
         self.compile_options = compile_options or {}
 
     def swap_modules(self, model: nn.Module) -> int:
-        """Route the model's GELU MLPs through the fused op; returns how many were swapped."""
+        """Route the model's GELU MLPs and Wan self-attention layers through the fused ops.
+
+        Returns how many modules were swapped.
+        """
+        return self._swap_gelu_mlps(model) + self._swap_wan_attention(model)
+
+    def _swap_wan_attention(self, model: nn.Module) -> int:
+        if not self.settings.fused_wan_attention or not available("fused_wan_attention"):
+            return 0
+        from litegen.experimental.wan_attention import apply_fused_wan_attention
+
+        fused = apply_fused_wan_attention(model)
+        log.info("%s: %d Wan self-attention layers fused", type(model).__name__, fused)
+        if not fused:
+            log.warning(
+                "optimization.experimental.fused_wan_attention: %s has no diffusers Wan "
+                "self-attention layer (see docs/performance.md); nothing was fused.",
+                type(model).__name__,
+            )
+        return fused
+
+    def _swap_gelu_mlps(self, model: nn.Module) -> int:
         if not self.settings.fused_gelu_mlp or not available("fused_gelu_mlp"):
             return 0
         from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp
@@ -119,7 +144,12 @@ class Lab:
 
 def enabled(settings: Any) -> bool:
     """Whether an ``optimization.experimental`` section switches anything on."""
-    return bool(settings.fused_gelu_mlp or settings.master_adamw or settings.persistent_rows)
+    return bool(
+        settings.fused_gelu_mlp
+        or settings.master_adamw
+        or settings.persistent_rows
+        or settings.fused_wan_attention
+    )
 
 
 __all__ = ["TESTED_TORCH", "Lab", "available", "enabled", "torch_release"]

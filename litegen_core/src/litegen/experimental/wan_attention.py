@@ -1,0 +1,145 @@
+"""Wan's self-attention with its query and key norms and rotary embedding fused (Triton).
+
+diffusers' ``WanAttention`` layers normalise the query and key across heads, then rotate them
+(:mod:`litegen.experimental.qk_norm_rope` does both in one pass each way).
+:func:`apply_fused_wan_attention` gives each self-attention layer of a model a processor that
+projects the query, key and value in one GEMM (the three weights concatenated; projections with
+LoRA adapters or hooks run as their own modules), runs that op on the query and the key, then
+torch's ``scaled_dot_product_attention`` as diffusers does. Parameters, module tree and
+``state_dict`` stay the model's own. A call this processor does not cover (cross-attention, a
+mask, no rotary embedding, diffusers' own context parallelism or attention backend, fused
+projections) runs the layer's original processor.
+
+Example:
+    >>> apply_fused_wan_attention(wan)  # before checkpointing, compile and wrapping
+    30
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from litegen.experimental.qk_norm_rope import qk_norm_rope
+
+
+class FusedWanSelfAttention:
+    """A ``WanAttention`` processor for self-attention with rotary embeddings; module docstring."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: tuple[Tensor, Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        if not _covers(attn, self.original, encoder_hidden_states, attention_mask, rotary_emb):
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs
+            )
+        query, key, value = _project(attn, hidden_states)
+        cos, sin = rotary_emb
+        query = qk_norm_rope(query, attn.norm_q.weight, cos, sin, _eps(attn.norm_q))
+        key = qk_norm_rope(key, attn.norm_k.weight, cos, sin, _eps(attn.norm_k))
+        # (B, L, H * D) -> (B, H, L, D), the layout scaled_dot_product_attention takes.
+        query, key, value = (
+            t.unflatten(2, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value)
+        )
+        out = F.scaled_dot_product_attention(query, key, value)
+        out = out.transpose(1, 2).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _project(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Query, key and value: one GEMM over the concatenated weights of plain linear layers.
+
+    A projection that is more than its weight (a LoRA adapter, a hook, a wrapper class) runs
+    as its own module.
+    """
+    projections = (attn.to_q, attn.to_k, attn.to_v)
+    if not all(type(p) is nn.Linear and not _hooked(p) for p in projections):
+        return tuple(p(hidden_states) for p in projections)
+    qkv = F.linear(
+        hidden_states,
+        torch.cat([p.weight for p in projections]),
+        torch.cat([p.bias for p in projections]),
+    )
+    return qkv.chunk(3, dim=-1)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _eps(norm: nn.Module) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+
+
+def _covers(
+    attn: nn.Module,
+    original: Any,
+    encoder_hidden_states: Tensor | None,
+    attention_mask: Tensor | None,
+    rotary_emb: tuple[Tensor, Tensor] | None,
+) -> bool:
+    return (
+        encoder_hidden_states is None
+        and attention_mask is None
+        and rotary_emb is not None
+        and not getattr(attn, "fused_projections", False)
+        and getattr(original, "_attention_backend", None) is None
+        and getattr(original, "_parallel_config", None) is None
+    )
+
+
+def is_wan_self_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a diffusers ``WanAttention`` this module's processor can serve.
+
+    Example:
+        >>> is_wan_self_attention(wan.blocks[0].attn1), is_wan_self_attention(wan.blocks[0].attn2)
+        (True, False)
+    """
+    if type(module).__name__ != "WanAttention" or getattr(module, "is_cross_attention", True):
+        return False
+    processor = getattr(module, "processor", None)
+    if type(processor).__name__ not in ("WanAttnProcessor", FusedWanSelfAttention.__name__):
+        return False
+    # RMSNorm across heads (Wan's "rms_norm_across_heads"), with a weight.
+    width = module.to_q.out_features
+    return all(
+        isinstance(norm, nn.RMSNorm)
+        and norm.weight is not None
+        and tuple(norm.normalized_shape) == (width,)
+        for norm in (module.norm_q, module.norm_k)
+    ) and all(linear.bias is not None for linear in (module.to_q, module.to_k, module.to_v))
+
+
+def apply_fused_wan_attention(model: nn.Module) -> int:
+    """Give every Wan self-attention layer of ``model`` the fused processor; returns how many.
+
+    In place and idempotent; call before checkpointing, compile and wrapping, as ``prepare``
+    does.
+
+    Example:
+        >>> apply_fused_wan_attention(wan)
+        30
+    """
+    swapped = 0
+    for module in model.modules():
+        if not is_wan_self_attention(module):
+            continue
+        if not isinstance(module.processor, FusedWanSelfAttention):
+            module.set_processor(FusedWanSelfAttention(module.processor))
+        swapped += 1
+    return swapped
+
+
+__all__ = ["FusedWanSelfAttention", "apply_fused_wan_attention", "is_wan_self_attention"]

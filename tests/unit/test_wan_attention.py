@@ -1,0 +1,187 @@
+"""Wan's fused self-attention (``optimization.experimental.fused_wan_attention``) on CPU.
+
+* the Triton norm-and-rotary kernels, run by Triton's interpreter, against autograd through
+  the op's torch formula (``qk_norm_rope.reference``);
+* the processor on a tiny diffusers Wan against diffusers' own, in FP32: the same outputs and
+  gradients, the same ``state_dict``, cross-attention and uncovered calls left to diffusers;
+* the switch through ``Lab`` and ``prepare``.
+
+tests/gpu/test_wan_attention_gpu.py runs the kernels on CUDA, compiled in a Wan model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import litegen
+from litegen import experimental
+from litegen.config import ExperimentalConfig, MainConfig
+from litegen.experimental import TESTED_TORCH, Lab, torch_release
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from real_models import REAL_MODELS
+
+from litegen.experimental.qk_norm_rope import qk_norm_rope, reference
+from litegen.experimental.wan_attention import (
+    FusedWanSelfAttention,
+    apply_fused_wan_attention,
+)
+
+CHILD = r"""
+import torch
+from litegen.experimental.qk_norm_rope import qk_norm_rope, reference
+
+def check(batch, freq_batch, heads, head, dtype, sliced=False):
+    torch.manual_seed(0)
+    tokens, width = 5, heads * head
+    x = torch.randn(batch, tokens, 3 * width if sliced else width).to(dtype)
+    if sliced:  # the key's third of one QKV projection: rows one stride apart, no copy
+        x = x.chunk(3, dim=-1)[1]
+    weight = (1 + 0.1 * torch.randn(width)).to(dtype)
+    angles = torch.randn(freq_batch, tokens, 1, head)
+    cos, sin = angles.cos(), angles.sin()
+    grad = torch.randn(batch, tokens, width).to(dtype)
+    results = []
+    for op in (qk_norm_rope, reference):
+        # A leaf with x's strides: clone() would make a sliced x contiguous.
+        xi = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+        xi, wi = xi.requires_grad_(), weight.clone().requires_grad_()
+        y = op(xi, wi, cos, sin, 1e-6)
+        results.append((y, *torch.autograd.grad(y, (xi, wi), grad)))
+    # The interpreter rounds to bf16 by truncation (NumPy has no bf16): one bf16 step.
+    tolerance = dict(rtol=1.6e-2, atol=1.6e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours.float(), theirs.float(), **tolerance)
+
+check(2, 1, 3, 8, torch.float32)     # half a row of 12 pairs: a masked block of 16
+check(2, 2, 2, 16, torch.float32)    # angles per sample
+check(1, 1, 4, 8, torch.bfloat16)
+check(2, 1, 3, 8, torch.float32, sliced=True)
+print("ok")
+"""
+
+
+def test_the_kernels_match_autograd_through_the_formula(triton_interpreter):
+    assert triton_interpreter("-c", CHILD).strip().endswith("ok")
+
+
+def test_the_formula_is_rms_norm_then_diffusers_rotation():
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 3, 8), torch.randn(8)
+    angles = torch.randn(1, 3, 1, 4)
+    cos, sin = angles.cos(), angles.sin()
+    y = torch.nn.functional.rms_norm(x, (8,), weight, 1e-6).view(2, 3, 2, 4)
+    x1, x2 = y.unflatten(-1, (-1, 2)).unbind(-1)
+    expected = torch.empty_like(y)
+    expected[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+    expected[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
+    torch.testing.assert_close(reference(x, weight, cos, sin, 1e-6), expected.view(2, 3, 8))
+    torch.testing.assert_close(qk_norm_rope(x, weight, cos, sin, 1e-6), expected.view(2, 3, 8))
+
+
+def tiny_wan(**overrides):
+    return REAL_MODELS["wan"].build("tiny", num_layers=2, **overrides)
+
+
+def run(model, seed=1):
+    torch.manual_seed(seed)
+    x = torch.randn(2, 4, 3, 4, 4)
+    text = torch.randn(2, 6, model.config.text_dim)
+    out = model(x, timestep=torch.tensor([100.0, 700.0]), encoder_hidden_states=text)[0]
+    out.square().mean().backward()
+    return out
+
+
+def test_the_processor_computes_what_diffusers_does():
+    model = tiny_wan()
+    fused = copy.deepcopy(model)
+    assert apply_fused_wan_attention(fused) == 2
+    assert apply_fused_wan_attention(fused) == 2  # idempotent
+    for block in fused.blocks:
+        assert isinstance(block.attn1.processor, FusedWanSelfAttention)
+        assert not isinstance(block.attn2.processor, FusedWanSelfAttention)  # cross-attention
+    assert list(fused.state_dict()) == list(model.state_dict())
+    torch.testing.assert_close(run(fused), run(model))
+    for (name, p), q in zip(model.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_calls_it_does_not_cover_run_diffusers_processor():
+    attn = tiny_wan().blocks[0].attn1
+    original = attn.processor
+    apply_fused_wan_attention(attn)
+    x = torch.randn(1, 5, attn.to_q.in_features)
+    mask = torch.zeros(1, 1, 5, 5)
+    for call in (
+        {"attention_mask": mask, "rotary_emb": (torch.ones(1, 5, 1, 16), torch.zeros(1, 5, 1, 16))},
+        {},  # no rotary embedding
+    ):
+        torch.testing.assert_close(attn(x, **call), original(attn, x, **call))
+
+
+@pytest.fixture
+def tested_here(monkeypatch):
+    monkeypatch.setattr(experimental, "_warned", set())
+    monkeypatch.setitem(TESTED_TORCH, "fused_wan_attention", (torch_release(),))
+
+
+def test_lab_swaps_wan_and_warns_when_a_model_has_none(tested_here, caplog):
+    lab = Lab(ExperimentalConfig(fused_wan_attention=True))
+    assert lab.swap_modules(tiny_wan()) == 2
+    with caplog.at_level(logging.WARNING, logger="litegen"):
+        assert lab.swap_modules(torch.nn.Linear(2, 2)) == 0
+    assert "fused_wan_attention" in caplog.text and "nothing was fused" in caplog.text
+
+
+def test_prepare_trains_wan_with_the_switch_like_without(tested_here, tmp_path):
+    losses = []
+    for switch in (False, True):
+        config = {
+            "results_dir": str(tmp_path / str(switch)),
+            "runtime": {"device": "cpu"},
+            "optimization": {"experimental": {"fused_wan_attention": switch}},
+        }
+        gen = litegen.initialize(MainConfig.from_dict(config))
+        model = tiny_wan()
+        model, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        fused = [b.attn1.processor for b in model.blocks]
+        assert all(isinstance(p, FusedWanSelfAttention) for p in fused) == switch
+        run_losses = []
+        for step in range(3):
+            optimizer.zero_grad()
+            out = run(model, seed=step)
+            run_losses.append(out.square().mean().item())
+            optimizer.step()
+        losses.append(run_losses)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_angles_for_other_tokens_are_an_error_naming_the_shapes():
+    x, weight = torch.randn(2, 3, 8), torch.ones(8)
+    angles = torch.randn(1, 4, 1, 4)  # 4 tokens of angles for 3 tokens
+    with pytest.raises(ValueError, match=r"cos and sin must be \(1 or 2, 3, 1, head_dim\)"):
+        qk_norm_rope(x, weight, angles.cos(), angles.sin(), 1e-6)
+
+
+def test_lora_adapters_on_the_projections_still_apply():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_wan(),
+        peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False),
+    )
+    fused = copy.deepcopy(model)
+    assert apply_fused_wan_attention(fused) == 2
+    torch.testing.assert_close(run(fused), run(model))
+    adapters = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters
+    fused_grads = dict(fused.named_parameters())
+    for name, p in adapters:
+        torch.testing.assert_close(fused_grads[name].grad, p.grad, msg=name)
