@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -44,6 +45,24 @@ TESTED_TORCH: dict[str, tuple[str, ...]] = {
     "fused_gelu_mlp": ("2.11",),
     "master_adamw": ("2.11",),
     "fused_wan_attention": ("2.11",),
+}
+
+
+# feature -> the module and function that swap a model's modules, what they swap, and what a
+# model without any lacks.
+_MODULE_SWAPS: dict[str, tuple[str, str, str, str]] = {
+    "fused_gelu_mlp": (
+        "litegen.experimental.mlp_fusion",
+        "apply_fused_gelu_mlp",
+        "GELU MLPs",
+        "no Linear-GELU(tanh)-Linear MLP that can be fused",
+    ),
+    "fused_wan_attention": (
+        "litegen.experimental.wan_attention",
+        "apply_fused_wan_attention",
+        "Wan self-attention layers",
+        "no diffusers Wan self-attention layer",
+    ),
 }
 
 
@@ -91,35 +110,21 @@ class Lab:
 
         Returns how many modules were swapped.
         """
-        return self._swap_gelu_mlps(model) + self._swap_wan_attention(model)
+        return sum(self._swap(model, feature) for feature in _MODULE_SWAPS)
 
-    def _swap_wan_attention(self, model: nn.Module) -> int:
-        if not self.settings.fused_wan_attention or not available("fused_wan_attention"):
+    def _swap(self, model: nn.Module, feature: str) -> int:
+        if not getattr(self.settings, feature) or not available(feature):
             return 0
-        from litegen.experimental.wan_attention import apply_fused_wan_attention
-
-        fused = apply_fused_wan_attention(model)
-        log.info("%s: %d Wan self-attention layers fused", type(model).__name__, fused)
+        module, function, swapped, none = _MODULE_SWAPS[feature]
+        fused = getattr(importlib.import_module(module), function)(model)
+        log.info("%s: %d %s fused", type(model).__name__, fused, swapped)
         if not fused:
             log.warning(
-                "optimization.experimental.fused_wan_attention: %s has no diffusers Wan "
-                "self-attention layer (see docs/performance.md); nothing was fused.",
+                "optimization.experimental.%s: %s has %s (see docs/performance.md); nothing was "
+                "fused.",
+                feature,
                 type(model).__name__,
-            )
-        return fused
-
-    def _swap_gelu_mlps(self, model: nn.Module) -> int:
-        if not self.settings.fused_gelu_mlp or not available("fused_gelu_mlp"):
-            return 0
-        from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp
-
-        fused = apply_fused_gelu_mlp(model)
-        log.info("%s: %d GELU MLPs fused", type(model).__name__, fused)
-        if not fused:
-            log.warning(
-                "optimization.experimental.fused_gelu_mlp: %s has no Linear-GELU(tanh)-Linear MLP "
-                "that can be fused (see docs/performance.md); nothing was fused.",
-                type(model).__name__,
+                none,
             )
         return fused
 

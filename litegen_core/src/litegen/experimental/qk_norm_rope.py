@@ -30,6 +30,19 @@ _BACKWARD_PROGRAMS_PER_SM = 8
 
 
 @triton.jit
+def _angles(
+    cos_ptr, sin_ptr, row, pair, mask, tokens, freq_batch_stride, freq_token_stride, half_head
+):
+    """Each pair's cos and sin for one row: cos from its head slot's even element, sin from the
+    odd one, as diffusers' Wan rotates."""
+    freq = (row // tokens) * freq_batch_stride + (row % tokens) * freq_token_stride
+    slot = 2 * (pair % half_head)
+    cos = tl.load(cos_ptr + freq + slot, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + freq + slot + 1, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr,
     w_ptr,
@@ -56,11 +69,9 @@ def _forward_kernel(
     tl.store(rstd_ptr + row, rstd)
     y_even = x_even * rstd * tl.load(w_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
     y_odd = x_odd * rstd * tl.load(w_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
-    # The pair's angle: cos from the even element of its head's slot, sin from the odd one.
-    freq = (row // tokens) * freq_batch_stride + (row % tokens) * freq_token_stride
-    slot = 2 * (pair % half_head)
-    cos = tl.load(cos_ptr + freq + slot, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + freq + slot + 1, mask=mask, other=0.0).to(tl.float32)
+    cos, sin = _angles(
+        cos_ptr, sin_ptr, row, pair, mask, tokens, freq_batch_stride, freq_token_stride, half_head
+    )
     out = y_ptr + row * WIDTH + 2 * pair
     tl.store(out, (y_even * cos - y_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(out + 1, (y_even * sin + y_odd * cos).to(y_ptr.dtype.element_ty), mask=mask)
@@ -88,7 +99,6 @@ def _backward_kernel(
     program = tl.program_id(0).to(tl.int64)
     pair = tl.arange(0, HALF_BLOCK)
     mask = pair < WIDTH // 2
-    slot = 2 * (pair % half_head)
     w_even = tl.load(w_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
     w_odd = tl.load(w_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
     grad_w_even = tl.zeros([HALF_BLOCK], dtype=tl.float32)
@@ -97,9 +107,17 @@ def _backward_kernel(
         at = row * WIDTH + 2 * pair
         g_even = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
         g_odd = tl.load(grad_ptr + at + 1, mask=mask, other=0.0).to(tl.float32)
-        freq = (row // tokens) * freq_batch_stride + (row % tokens) * freq_token_stride
-        cos = tl.load(cos_ptr + freq + slot, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + freq + slot + 1, mask=mask, other=0.0).to(tl.float32)
+        cos, sin = _angles(
+            cos_ptr,
+            sin_ptr,
+            row,
+            pair,
+            mask,
+            tokens,
+            freq_batch_stride,
+            freq_token_stride,
+            half_head,
+        )
         # The rotation's transpose takes the output gradient back to the normalised row's.
         dy_even = g_even * cos + g_odd * sin
         dy_odd = g_odd * cos - g_even * sin
