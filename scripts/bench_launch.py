@@ -3,16 +3,16 @@
 For each model of ``real_models.py`` and each variant (eager; compiled: each transformer block's
 ``forward`` compiled in place on both sides; tuned: compiled, with LiteGen's recommended
 settings, :data:`TUNED`, on the launch side only; ``tuned-<x>``: the same without one of them,
-with ``--launch-only`` an ablation; ``tuned-wan``: Wan's recommended settings), a recipe with ``real_model_entry.py`` is written to
-the work folder and run by ``launch_vs_hand.py``: ``litegen launch`` (1 rank) and
-``hand_loop.py`` (a DataLoader over the same dataset, bf16 autocast, the same fused AdamW), each
-in its own process, alternating, ``--repeats`` times. A side's samples/s is the median of its
-per-step rates over steps ``(--first, --last]`` (the best repeat); launch logs every step
-(``trainer.log_every: 1``, which costs it no host sync), the hand loop reads its loss every
-``--hand-log-every`` steps as a user would and times each step with CUDA events. Peak memory is
-``torch.cuda.max_memory_allocated`` of each side's whole run (launch: the largest peak of its
-log, since the trainer resets the peak at every log). Both sides compile the same
-graphs, so the second reuses inductor's caches.
+with ``--launch-only`` an ablation; ``tuned-wan``: Wan's recommended settings), a recipe with
+``real_model_entry.py`` is written to the work folder and run by ``launch_vs_hand.py``:
+``litegen launch`` (1 rank) and ``hand_loop.py`` (a DataLoader over the same dataset, bf16
+autocast, the same fused AdamW), each in its own process, alternating, ``--repeats`` times. A
+side's samples/s is the median of its per-step rates over steps ``(--first, --last]`` (the best
+repeat); launch logs every step (``trainer.log_every: 1``, which costs it no host sync), the
+hand loop reads its loss every ``--hand-log-every`` steps as a user would and times each step
+with CUDA events. Peak memory is ``torch.cuda.max_memory_allocated`` of each side's whole run
+(launch: the largest peak of its log, since the trainer resets the peak at every log). Both
+sides compile the same graphs, so the second reuses inductor's caches.
 
     python3 scripts/bench_launch.py --out bench_launch.json                       # GPU
     python3 scripts/bench_launch.py --models dit,wan --variants compiled --profile
@@ -78,8 +78,8 @@ VARIANTS: dict[str, list[str]] = {
         f"tuned-{name}": [setting for setting in TUNED if setting != left_out]
         for name, left_out in (("rows", ROWS), ("gelu", GELU), ("adamw", ADAMW), ("tuning", TUNING))
     },
-    "tuned-wan": [*(setting for setting in TUNED if setting != ROWS), WAN_ATTENTION],
 }
+VARIANTS["tuned-wan"] = [*VARIANTS["tuned-rows"], WAN_ATTENTION]
 
 
 def write_recipe(folder: Path, model: str, variant: str, args: argparse.Namespace) -> Path:

@@ -57,7 +57,8 @@ def check(batch, freq_batch, heads, head, dtype, sliced=False):
         y = op(xi, wi, cos, sin, 1e-6)
         results.append((y, *torch.autograd.grad(y, (xi, wi), grad)))
     # The interpreter rounds to bf16 by truncation (NumPy has no bf16): one bf16 step.
-    tolerance = dict(rtol=1.6e-2, atol=1.6e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    bf16 = dtype == torch.bfloat16
+    tolerance = dict(rtol=1.6e-2, atol=1.6e-2) if bf16 else dict(rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours.float(), theirs.float(), **tolerance)
 

@@ -149,12 +149,7 @@ class Lab:
 
 def enabled(settings: Any) -> bool:
     """Whether an ``optimization.experimental`` section switches anything on."""
-    return bool(
-        settings.fused_gelu_mlp
-        or settings.master_adamw
-        or settings.persistent_rows
-        or settings.fused_wan_attention
-    )
+    return any(getattr(settings, feature) for feature in TESTED_TORCH)
 
 
 __all__ = ["TESTED_TORCH", "Lab", "available", "enabled", "torch_release"]
