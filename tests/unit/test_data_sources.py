@@ -245,6 +245,14 @@ def test_bucket_sampler_resumes_at_any_world_size_and_is_deterministic():
     assert [resumed[0][i] + resumed[1][i] for i in range(5)] == single[7:]
 
 
+def test_a_bucket_smaller_than_a_global_batch_gives_no_empty_batch():
+    keys = ["a"] * 4 + ["b"] * 2 + ["c"]  # "c" waits: it never fills a batch of 2
+    for seed in range(4):
+        batches = list(BucketBatchSampler(keys, global_batch_size=2, max_steps=9, seed=seed))
+        assert all(len(batch) == 2 for batch in batches)
+        assert 6 not in {i for batch in batches for i in batch}
+
+
 def test_bucket_sampler_errors_name_the_fix():
     with pytest.raises(ValueError, match="no bucket holds a whole global batch of 32"):
         BucketBatchSampler(KEYS, global_batch_size=32, max_steps=1)

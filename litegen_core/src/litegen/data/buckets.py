@@ -110,7 +110,8 @@ class BucketBatchSampler(Sampler[list[int]]):
         for bucket in self._buckets:
             shuffled = bucket[torch.randperm(len(bucket), generator=generator)]
             whole = len(bucket) // self.global_batch_size * self.global_batch_size
-            batches.extend(shuffled[:whole].split(self.global_batch_size))
+            if whole:  # an empty tensor splits into one empty batch, not into none
+                batches.extend(shuffled[:whole].split(self.global_batch_size))
         order = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in order]
 

@@ -1,0 +1,172 @@
+"""A dataset over a folder of images and videos with captions, in shape buckets.
+
+Every file gets a bucket ``(frames, height, width)`` from its own aspect ratio and length
+(:class:`MediaBuckets`): the nearest of a few aspect ratios at about ``resolution²`` pixels, with
+sides a multiple of ``spatial_multiple`` (the VAE's downsampling times the patch size), and the
+longest ``k * temporal_compression + 1`` frames the clip holds up to ``max_frames`` (the ``4k+1``
+of Wan and HunyuanVideo, ``8k+1`` of LTX-Video). A sample is resized to cover its bucket and
+cropped in the middle, so a :class:`~litegen.data.BucketBatchSampler` over
+:attr:`MediaDataset.keys` stacks batches without padding.
+
+Example:
+    >>> dataset = MediaDataset("clips/", buckets=MediaBuckets(resolution=480, max_frames=81))  # doctest: +SKIP
+    >>> loader = DataLoader(dataset, batch_sampler=BucketBatchSampler(dataset.keys))  # doctest: +SKIP
+    >>> model, optimizer, loader = gen.prepare(model, optimizer, loader)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from litegen.data.media_files import MediaFile, OnBad, scan_media
+
+log = logging.getLogger("litegen")
+
+Bucket = tuple[int, int, int]  # (frames, height, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaBuckets:
+    """The rule that gives each file its ``(frames, height, width)``.
+
+    ``max_frames=1`` (the default) is for image models: samples are ``[C, H, W]`` and a video
+    gives its first frame. Above 1, samples are ``[C, F, H, W]`` and an image is a one-frame
+    video. ``aspect_ratios`` are width / height.
+
+    Example:
+        >>> rule = MediaBuckets(resolution=64, spatial_multiple=16, max_frames=17)
+        >>> rule.bucket(MediaFile(Path("a.mp4"), "a fox", 640, 360, frames=30, is_video=True))
+        (17, 48, 80)
+    """
+
+    resolution: int = 512
+    spatial_multiple: int = 16
+    aspect_ratios: tuple[float, ...] = (1 / 2, 9 / 16, 2 / 3, 3 / 4, 1, 4 / 3, 3 / 2, 16 / 9, 2)
+    max_frames: int = 1
+    temporal_compression: int = 4
+    frame_stride: int = 1
+
+    def __post_init__(self) -> None:
+        if self.resolution < self.spatial_multiple:
+            raise ValueError(
+                f"resolution={self.resolution} is below spatial_multiple={self.spatial_multiple}."
+            )
+        if self.max_frames < 1 or (self.max_frames - 1) % self.temporal_compression:
+            raise ValueError(
+                f"max_frames={self.max_frames} must be k * temporal_compression + 1 "
+                f"(temporal_compression={self.temporal_compression}), e.g. "
+                f"{(self.max_frames - 1) // self.temporal_compression * self.temporal_compression + 1}."
+            )
+        if self.frame_stride < 1 or not self.aspect_ratios:
+            raise ValueError("frame_stride must be >= 1 and aspect_ratios must not be empty.")
+
+    @property
+    def is_video(self) -> bool:
+        return self.max_frames > 1
+
+    def bucket(self, file: MediaFile) -> Bucket:
+        """The ``(frames, height, width)`` this file is trained at."""
+        ratio = min(self.aspect_ratios, key=lambda r: abs(math.log(r * file.height / file.width)))
+        m = self.spatial_multiple
+        width = max(m, round(self.resolution * math.sqrt(ratio) / m) * m)
+        height = max(m, round(self.resolution / math.sqrt(ratio) / m) * m)
+        return self.frame_count(file.frames), height, width
+
+    def frame_count(self, available: int) -> int:
+        """The longest ``k * temporal_compression + 1`` frames ``available`` frames give."""
+        usable = min((available - 1) // self.frame_stride + 1, self.max_frames)
+        return (usable - 1) // self.temporal_compression * self.temporal_compression + 1
+
+
+class MediaDataset(Dataset):
+    """``(pixels, caption)`` samples of a media folder, pixels in ``[-1, 1]``, bucketed.
+
+    ``keys[i]`` is sample ``i``'s bucket; ``bad`` lists the files left out and why
+    (``on_bad="error"`` refuses the folder instead). See :func:`~litegen.data.media_files.scan_media`
+    for where captions come from.
+
+    Example:
+        >>> dataset = MediaDataset("photos/", buckets=MediaBuckets(resolution=256))  # doctest: +SKIP
+        >>> pixels, caption = dataset[0]  # doctest: +SKIP
+        >>> pixels.shape == (3, *dataset.keys[0][1:])  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        buckets: MediaBuckets | None = None,
+        recursive: bool = True,
+        on_bad: OnBad = "skip",
+    ) -> None:
+        self.root = Path(root)
+        self.buckets = buckets or MediaBuckets()
+        self.files, self.bad = scan_media(self.root, recursive=recursive, on_bad=on_bad)
+        self.keys: list[Bucket] = [self.buckets.bucket(file) for file in self.files]
+        sizes = ", ".join(f"{k}: {n}" for k, n in sorted(Counter(self.keys).items()))
+        log.info("media folder %s: buckets (frames, height, width): %s", self.root, sizes)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
+        file, (frames, height, width) = self.files[index], self.keys[index]
+        try:
+            pixels = (
+                _read_video(file.path, frames, self.buckets.frame_stride)
+                if file.is_video
+                else _read_image(file.path)
+            )
+        except Exception as error:  # name the file instead of failing deep in a worker
+            raise ValueError(
+                f"could not decode {file.path} ({type(error).__name__}: {error}); "
+                "re-encode or remove the file."
+            ) from error
+        pixels = _cover_crop(pixels, height, width).sub(0.5).mul(2)  # [F, C, H, W] in [-1, 1]
+        if not self.buckets.is_video:
+            return pixels[0], file.caption
+        return pixels.transpose(0, 1).contiguous(), file.caption
+
+
+def _read_image(path: Path) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as image:
+        array = np.asarray(image.convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)[None]  # [1, C, H, W] uint8
+
+
+def _read_video(path: Path, frames: int, stride: int) -> torch.Tensor:
+    import av
+
+    wanted = range(0, frames * stride, stride)
+    kept = []
+    with av.open(str(path)) as container:
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            if index in wanted:
+                kept.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+            if len(kept) == frames:
+                break
+    if len(kept) < frames:
+        raise ValueError(f"decoded {len(kept)} frames, expected {frames}")
+    return torch.stack(kept).permute(0, 3, 1, 2)  # [F, C, H, W] uint8
+
+
+def _cover_crop(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Resize uint8 ``[F, C, h, w]`` to cover ``height x width``, crop the middle, in [0, 1]."""
+    h, w = frames.shape[-2:]
+    scale = max(height / h, width / w)
+    size = (max(height, round(h * scale)), max(width, round(w * scale)))
+    resized = F.interpolate(frames.float() / 255, size=size, mode="bilinear", antialias=True)
+    top, left = (size[0] - height) // 2, (size[1] - width) // 2
+    return resized[..., top : top + height, left : left + width].clamp(0, 1)

@@ -1,0 +1,210 @@
+"""The files of a media folder: which are images or videos, their captions, sizes and lengths.
+
+:func:`scan_media` walks a folder (recursively), pairs each image or video with its caption and
+reads its size (and frame count) without decoding it whole. Captions come from a
+``metadata.jsonl`` or ``metadata.csv`` at the folder's root (a file column and a caption
+column), else from a ``.txt`` file of the same name next to the media file. A file that cannot
+be used (corrupt, empty, unreadable, no caption, or a caption file without media) is a
+:class:`BadFile` with its path and the reason; ``on_bad="skip"`` leaves it out and logs the
+count, ``on_bad="error"`` refuses the folder with every bad file listed.
+
+Pillow reads images; PyAV (``pip install 'litegen-core[media]'``) reads videos, imported only
+when the folder has one.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("litegen")
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
+VIDEO_SUFFIXES = frozenset({".mp4", ".mov", ".webm", ".mkv", ".avi"})
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+FILE_COLUMNS = ("file_name", "file", "path", "video", "image")
+CAPTION_COLUMNS = ("caption", "text", "prompt")
+
+OnBad = Literal["skip", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaFile:
+    """One usable image or video: its caption, size and (videos) frame count."""
+
+    path: Path
+    caption: str
+    width: int
+    height: int
+    frames: int = 1  # 1 for an image
+    is_video: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BadFile:
+    """A file of the folder that cannot be trained on, and why."""
+
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def scan_media(
+    root: str | Path, *, recursive: bool = True, on_bad: OnBad = "skip"
+) -> tuple[list[MediaFile], list[BadFile]]:
+    """The usable media files under ``root`` (sorted by path) and the bad ones.
+
+    Example:
+        >>> files, bad = scan_media("my_media/")  # doctest: +SKIP
+        >>> files[0].caption, files[0].width, files[0].height, files[0].frames  # doctest: +SKIP
+        ('a red fox in the snow', 640, 480, 81)
+    """
+    if on_bad not in ("skip", "error"):
+        raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"media folder {root} does not exist or is not a folder; check the path.")
+    paths = sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file())
+    media = [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
+    if not media:
+        raise ValueError(
+            f"media folder {root} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}) or "
+            f"videos ({', '.join(sorted(VIDEO_SUFFIXES))}); put media files in it"
+            f"{'' if recursive else ' or scan it recursively'}."
+        )
+    captions, bad = _captions(root, paths, media)
+    files = []
+    for path in media:
+        if path not in captions:
+            bad.append(BadFile(path, "no caption: add a same-name .txt file or a metadata row"))
+            continue
+        probed = _probe(path, captions[path])
+        (files if isinstance(probed, MediaFile) else bad).append(probed)
+    bad.sort(key=lambda b: b.path)
+    if bad and on_bad == "error":
+        listed = "\n  ".join(str(b) for b in bad)
+        raise ValueError(
+            f"{len(bad)} bad file(s) in media folder {root}:\n  {listed}\n"
+            "fix or remove them, or set on_bad='skip' to leave them out."
+        )
+    if bad:
+        log.warning(
+            "media folder %s: skipped %d bad file(s):\n  %s",
+            root,
+            len(bad),
+            "\n  ".join(str(b) for b in bad),
+        )
+    if not files:
+        raise ValueError(f"media folder {root} has no usable file: every one is bad (see above).")
+    log.info("media folder %s: %d file(s), %d skipped", root, len(files), len(bad))
+    return files, bad
+
+
+def _captions(
+    root: Path, paths: list[Path], media: list[Path]
+) -> tuple[dict[Path, str], list[BadFile]]:
+    """Captions by media path, from the metadata file if there is one, else from .txt files."""
+    metadata = [root / name for name in METADATA_FILES if (root / name).is_file()]
+    if metadata:
+        return _metadata_captions(metadata[0], set(media))
+    media_stems = {p.with_suffix("") for p in media}
+    captions, bad = {}, []
+    for path in paths:
+        if path.suffix.lower() != ".txt":
+            continue
+        if path.with_suffix("") not in media_stems:
+            bad.append(BadFile(path, "caption file without a media file of the same name"))
+    for path in media:
+        text_file = path.with_suffix(".txt")
+        if text_file.is_file():
+            text = text_file.read_text(encoding="utf-8", errors="replace").strip()
+            if text:
+                captions[path] = text
+    return captions, bad
+
+
+def _metadata_captions(metadata: Path, media: set[Path]) -> tuple[dict[Path, str], list[BadFile]]:
+    rows = _read_rows(metadata)
+    columns = set().union(*(row.keys() for row in rows)) if rows else set()
+    file_column = next((c for c in FILE_COLUMNS if c in columns), None)
+    caption_column = next((c for c in CAPTION_COLUMNS if c in columns), None)
+    if file_column is None or caption_column is None:
+        raise ValueError(
+            f"{metadata} needs a file column ({' / '.join(FILE_COLUMNS)}) and a caption column "
+            f"({' / '.join(CAPTION_COLUMNS)}); it has {sorted(columns) or 'no rows'}."
+        )
+    captions, bad = {}, []
+    for number, row in enumerate(rows, start=2 if metadata.suffix == ".csv" else 1):
+        path = metadata.parent / str(row.get(file_column) or "")
+        caption = str(row.get(caption_column) or "").strip()
+        if path not in media:
+            bad.append(BadFile(metadata, f"row {number} names {path.name!r}, not a media file"))
+        elif caption:
+            captions[path] = caption
+    return captions, bad
+
+
+def _read_rows(metadata: Path) -> list[dict]:
+    text = metadata.read_text(encoding="utf-8")
+    if metadata.suffix == ".csv":
+        return list(csv.DictReader(text.splitlines()))
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{metadata} line {number} is not JSON ({error}); fix the line."
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{metadata} line {number} is not a JSON object; write one per line.")
+        rows.append(row)
+    return rows
+
+
+def _probe(path: Path, caption: str) -> MediaFile | BadFile:
+    """Size and length without decoding the whole file, or why it cannot be read."""
+    if path.stat().st_size == 0:
+        return BadFile(path, "empty file")
+    try:
+        if path.suffix.lower() in IMAGE_SUFFIXES:
+            width, height = _image_size(path)
+            return MediaFile(path, caption, width, height)
+        width, height, frames = _video_size(path)
+    except Exception as error:  # any decoder failure is this file's fault, reported per file
+        return BadFile(path, f"unreadable ({type(error).__name__}: {error})")
+    if frames < 1:
+        return BadFile(path, "no video frames")
+    return MediaFile(path, caption, width, height, frames, is_video=True)
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()  # reads the whole file: truncated or corrupt data fails here
+        return image.size
+
+
+def _video_size(path: Path) -> tuple[int, int, int]:
+    import av
+
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        decoded = container.decode(stream)
+        first = next(decoded, None)  # a corrupt stream fails here, not in a training worker
+        if first is None:
+            raise ValueError("no decodable frame")
+        # Containers that store no frame count are counted by decoding them.
+        frames = stream.frames or 1 + sum(1 for _ in decoded)
+        return first.width, first.height, frames
