@@ -1,0 +1,129 @@
+"""Pretrained diffusers pipelines from a local folder: one component trained, the rest frozen.
+
+A pipeline folder is what ``save_pretrained`` writes (and what the hub serves): a
+``model_index.json`` naming each component's library and class, and one subfolder per component
+(``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``, ...).
+:func:`check_pipeline_folder` checks that layout without importing torch, so a launcher can
+refuse a bad folder before the ranks start; :func:`load_component` loads one component (a
+training process needs the transformer alone when latents and text embeddings are cached);
+:func:`load_pipeline` loads the whole pipeline with every component but the trained ones frozen
+(``requires_grad`` off, eval mode). Nothing is downloaded: loading is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MODEL_INDEX = "model_index.json"
+
+
+def check_pipeline_folder(folder: str | Path) -> dict[str, tuple[str, str]]:
+    """The components of the pipeline folder ``folder`` as ``{name: (library, class)}``.
+
+    Raises ``ValueError`` naming the path and the fix when the folder, its
+    ``model_index.json`` or a component's subfolder is missing.
+
+    Example:
+        >>> check_pipeline_folder("Wan2.1-T2V-1.3B-Diffusers")  # doctest: +SKIP
+        {'scheduler': ('diffusers', 'UniPCMultistepScheduler'), 'text_encoder': ('transformers', ...
+    """
+    folder = Path(folder)
+    index = folder / MODEL_INDEX
+    if not index.is_file():
+        what = "does not exist" if not folder.exists() else f"has no {MODEL_INDEX}"
+        raise ValueError(
+            f"pipeline folder {folder} {what}: point model.pretrained at a diffusers pipeline "
+            "folder (the one save_pretrained writes, with model_index.json and a subfolder per "
+            "component)."
+        )
+    try:
+        entries = json.loads(index.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{index} is not valid JSON ({error}); re-save the pipeline.") from None
+    components = {
+        name: (value[0], value[1])
+        for name, value in entries.items()
+        if not name.startswith("_")
+        and isinstance(value, list)
+        and len(value) == 2
+        and value[0] is not None
+    }
+    for name in components:
+        sub = folder / name
+        if not sub.is_dir() or not any(sub.iterdir()):
+            raise ValueError(
+                f"pipeline folder {folder} misses its {name!r} component ({sub} is "
+                f"{'empty' if sub.is_dir() else 'missing'}): copy that subfolder from the "
+                "published pipeline, or re-save the whole pipeline with save_pretrained."
+            )
+    return components
+
+
+def load_component(folder: str | Path, name: str, **kwargs: Any) -> Any:
+    """Load the component ``name`` of the pipeline folder with its class's ``from_pretrained``.
+
+    ``kwargs`` go to ``from_pretrained`` (``torch_dtype=...``).
+
+    Example:
+        >>> transformer = load_component("tiny_wan", "transformer")  # doctest: +SKIP
+    """
+    components = check_pipeline_folder(folder)
+    if name not in components:
+        raise ValueError(
+            f"pipeline folder {folder} has no component {name!r}; it has {sorted(components)}."
+        )
+    library, class_name = components[name]
+    cls = getattr(importlib.import_module(library), class_name)
+    return cls.from_pretrained(Path(folder) / name, local_files_only=True, **kwargs)
+
+
+def load_pipeline(
+    folder: str | Path,
+    *,
+    trained: Iterable[str] = ("transformer",),
+    **kwargs: Any,
+) -> Any:
+    """The pipeline of ``folder``, every model component it loads frozen except ``trained``.
+
+    ``kwargs`` go to the pipeline class's ``from_pretrained``: components already in memory are
+    used as given and left untouched (``transformer=model`` samples with the weights being
+    trained), ``torch_dtype=...``.
+
+    Example:
+        >>> pipe = load_pipeline("tiny_wan")  # doctest: +SKIP
+        >>> [p.requires_grad for p in pipe.vae.parameters()][:1]  # doctest: +SKIP
+        [False]
+    """
+    import diffusers
+    from torch import nn
+
+    components = check_pipeline_folder(folder)
+    trained = set(trained)
+    unknown = trained - set(components)
+    if unknown:
+        raise ValueError(
+            f"trained={sorted(unknown)} are not components of {folder}; "
+            f"it has {sorted(components)}."
+        )
+    # from_pretrained puts every module in eval mode, the given ones too: put theirs back.
+    modes = {name: value.training for name, value in kwargs.items() if isinstance(value, nn.Module)}
+    # The class itself, not DiffusionPipeline: that one loads copies of the modules it is given.
+    class_name = json.loads((Path(folder) / MODEL_INDEX).read_text(encoding="utf-8"))["_class_name"]
+    pipeline_class = getattr(diffusers, class_name, diffusers.DiffusionPipeline)
+    pipe = pipeline_class.from_pretrained(str(folder), local_files_only=True, **kwargs)
+    for name, training in modes.items():
+        kwargs[name].train(training)
+    for name, component in pipe.components.items():
+        if isinstance(component, nn.Module) and name not in trained and name not in kwargs:
+            freeze(component)
+    return pipe
+
+
+def freeze(module: Any) -> Any:
+    """``module`` with ``requires_grad`` off and in eval mode (dropout off)."""
+    module.requires_grad_(False)
+    return module.eval()
