@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -85,6 +87,7 @@ def test_the_loading_code_docs_lora_md_shows(trained, tmp_path, monkeypatch):
 
     class WanPipeline(WanLoraLoaderMixin):
         hf_device_map = None  # no offloading
+        components: ClassVar[dict] = {}
 
         @classmethod
         def from_pretrained(cls, *args):
