@@ -5,6 +5,8 @@
   would otherwise silently use the default.
 - An option that only some strategies read (``litegen.parallel.STRATEGY_OPTIONS``), set away
   from its default while the chosen strategy ignores it, is a warning naming both.
+- ``activation_checkpoint.enabled: true`` with ``selective_ratio: 1.0`` (the default, meaning
+  no block) is a warning naming the field and the fix.
 
 Like the rest of :mod:`litegen.config`, this module never imports torch.
 """
@@ -132,7 +134,8 @@ def _describe(path: str, value: Any, strategies: list[str], readers: tuple[str, 
 
 
 def ignored_options(config: Any) -> list[str]:
-    """One line per set option that no strategy of ``config`` reads (see the module docs).
+    """One line per set option that no strategy of ``config`` reads, or that does nothing
+    (activation checkpointing of no block); see the module docs.
 
     An option of the general ``optimization`` section counts as read when the general strategy
     or any profile's strategy reads it (profiles inherit it); an option set in a profile, when
@@ -162,6 +165,7 @@ def ignored_options(config: Any) -> list[str]:
             changed = _changed(top, type(top)(), dotted, section_name)
             strategies = [optimization.parallel.strategy]
         lines += [_describe(path, value, strategies, readers) for path, value in changed.items()]
+    lines += inert_checkpointing(optimization, profiles)
     for name, profile in optimization.profiles.items():
         strategy = profiles[name].parallel.strategy
         written = _leaves(profile.to_dict(), f"optimization.profiles.{name}")
@@ -175,4 +179,21 @@ def ignored_options(config: Any) -> list[str]:
                 for path, value in written.items()
                 if path == prefix or path.startswith(prefix + ".")
             ]
+    return lines
+
+
+def inert_checkpointing(optimization: Any, profiles: Mapping[str, Any]) -> list[str]:
+    """A line for the general section and each resolved profile whose activation
+    checkpointing is enabled but checkpoints no block (``selective_ratio: 1.0``)."""
+    sections = {"optimization": optimization}
+    sections.update({f"optimization.profiles.{n}": p for n, p in profiles.items()})
+    lines = []
+    general = optimization.memory.activation_checkpoint
+    for where, section in sections.items():
+        ac = section.memory.activation_checkpoint
+        if where != "optimization" and ac == general:
+            continue  # inherited: the general section's line covers it
+        line = ac.checkpoints_nothing(f"{where}.memory.activation_checkpoint")
+        if line is not None:
+            lines.append(line)
     return lines
