@@ -1,0 +1,248 @@
+"""Entry module of recipes/finetune_image.yaml and recipes/finetune_video.yaml: fine-tune the
+transformer of a diffusers pipeline folder on a folder of media with captions.
+
+    uv run litegen cache build recipes/finetune_video.yaml model.pretrained=DIR data.folder=MEDIA
+    uv run litegen launch recipes/finetune_video.yaml model.pretrained=DIR data.folder=MEDIA
+
+``model.pretrained`` is a pipeline folder (``model_index.json`` and one subfolder per
+component); its pipeline class picks the family (``finetune_families.py``: Wan, Flux).
+``data.folder`` is read by :class:`litegen.data.MediaDataset` (captions from ``.txt`` files or a
+``metadata.jsonl``/``.csv``; buckets from each file's aspect ratio and length).
+
+Latents (the pipeline's VAE) and text embeddings (its text encoders) are computed once into a
+:class:`litegen.cache.TensorCache` under ``data.cache_root``: by ``litegen cache build`` ahead of
+training, or at the start of the launch for whatever is missing, each rank encoding its share.
+The namespace is a fingerprint of the pipeline's files (transformer aside), the bucket rule and
+the family; each entry's key is the file's path, size, modification time and caption, so added
+or edited files are encoded and the rest is read back. Training reads the cache alone: the VAE
+and text encoders are loaded again only to sample (``validation.prompts``, every
+``trainer.sample_every`` steps, written as a PNG or GIF grid under ``samples/step_<N>/``).
+
+The loss is flow matching (:class:`litegen.objectives.FlowMatching`) with the pipeline
+scheduler's shift and ``objective.density`` / ``objective.weighting``. At the end, ``finish``
+writes ``<results_dir>/pipeline``: the pipeline folder with the trained transformer (full
+fine-tuning), or the LoRA adapters as ``<exp_name>.lora.safetensors`` (``load_lora_weights``)
+and a peft folder in the checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from finetune_families import Family, family_of
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from litegen.cache import TensorCache, fill_cache, fingerprint
+from litegen.data import BucketBatchSampler, MediaDataset
+from litegen.objectives import FlowMatching
+from litegen.pretrained import check_pipeline_folder, load_component, load_pipeline
+
+CACHE_VERSION = 1  # bump when encode() changes what it stores
+
+_sampling_pipe: Any = None  # loaded at the first sample() and kept for the next ones
+
+
+# -- the pipeline folder -------------------------------------------------------------------------
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def pipeline_folder(config) -> Path:
+    folder = config.model.get("pretrained")
+    if not folder:
+        raise ValueError(
+            "model.pretrained is not set: give the diffusers pipeline folder to fine-tune "
+            "(scripts/make_tiny_pipeline.py writes a tiny one)."
+        )
+    check_pipeline_folder(folder)
+    return Path(folder)
+
+
+def pipeline_family(config) -> Family:
+    folder = pipeline_folder(config)
+    scheduler = _json(folder / "scheduler" / "scheduler_config.json")
+    return family_of(_json(folder / "model_index.json"), str(folder), scheduler)
+
+
+def make_objective(config) -> FlowMatching:
+    folder = pipeline_folder(config)
+    options = {k: v for k, v in dict(config.get("objective") or {}).items() if v is not None}
+    scheduler = _json(folder / "scheduler" / "scheduler_config.json")
+    return FlowMatching.from_scheduler_config(scheduler, **options)
+
+
+def media(config, fam: Family) -> MediaDataset:
+    folder = pipeline_folder(config)
+    configs = {"vae": _json(folder / "vae" / "config.json")}
+    buckets = fam.buckets(configs, config.data)
+    return MediaDataset(config.data.folder, buckets=buckets, on_bad=config.data.on_bad)
+
+
+# -- the cache -----------------------------------------------------------------------------------
+def _files_digest(folder: Path) -> str:
+    """Names, sizes and modification times of the pipeline's files, the transformer aside."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if path.is_file() and relative.parts[0] != "transformer":
+            stat = path.stat()
+            digest.update(f"{relative.as_posix()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def make_cache(config, fam: Family, dataset: MediaDataset) -> tuple[TensorCache, list[str]]:
+    """The cache namespace of this pipeline, family and bucket rule; one key per file."""
+    folder = pipeline_folder(config)
+    name = fingerprint(
+        type(fam),  # names the folder: wan-<digest>
+        pipeline=_files_digest(folder),
+        buckets=dataclasses.asdict(dataset.buckets),
+        version=CACHE_VERSION,
+    )
+    dtype = getattr(torch, config.data.cache_dtype)
+    cache = TensorCache(config.data.cache_root, name, dtype=dtype)
+    keys = []
+    for file in dataset.files:
+        stat = file.path.stat()
+        identity = f"{file.path.relative_to(dataset.root)}|{stat.st_size}|{stat.st_mtime_ns}|{file.caption}"
+        keys.append(hashlib.sha256(identity.encode()).hexdigest()[:24])
+    return cache, keys
+
+
+def encoder(config, fam: Family, device: torch.device):
+    """``encode_fn`` of the cache: loads the pipeline without its transformer on first use."""
+    pipe = None
+
+    def encode(samples: list[tuple[torch.Tensor, str]]) -> list[dict[str, torch.Tensor]]:
+        nonlocal pipe
+        if pipe is None:
+            pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=None).to(device)
+        out = []
+        with torch.no_grad():
+            for pixels, caption in samples:  # one at a time: samples differ in shape
+                tensors = fam.encode(pipe, pixels[None].to(device), [caption])
+                out.append({k: v[0].cpu() for k, v in tensors.items()})
+        return out
+
+    return encode
+
+
+def build_cache(config):
+    """The hook of ``litegen cache build``: (cache, dataset, encode_fn, keys)."""
+    fam = pipeline_family(config)
+    dataset = media(config, fam)
+    cache, keys = make_cache(config, fam, dataset)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return cache, dataset, encoder(config, fam, device), keys
+
+
+class CachedSamples(Dataset):
+    """The cached latents and text embeddings of the media files, by index."""
+
+    collate_fn = staticmethod(default_collate)  # samples are dicts of tensors
+
+    def __init__(self, cache: TensorCache, keys: list[str]) -> None:
+        self.cache, self.keys = cache, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tensors = self.cache.get(self.keys[index])
+        if tensors is None:
+            raise ValueError(f"cache {self.cache.directory} lost entry {self.keys[index]}; rerun.")
+        return tensors
+
+
+def _device(config) -> torch.device:
+    if config.runtime.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def cached_data(config, fam: Family) -> DataLoader:
+    """The media folder's samples from the cache; what is missing is encoded first, by all ranks."""
+    dataset = media(config, fam)
+    cache, keys = make_cache(config, fam, dataset)
+    missing = sum(key not in cache for key in keys)
+    if missing:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        fill_cache(
+            cache,
+            dataset,
+            encoder(config, fam, _device(config)),
+            keys=keys,
+            rank=rank,
+            world_size=world,
+        )
+        if dist.is_initialized():
+            dist.barrier()
+        cache.refresh()
+    sampler = BucketBatchSampler(dataset.keys)
+    return DataLoader(
+        CachedSamples(cache, keys), batch_sampler=sampler, collate_fn=CachedSamples.collate_fn
+    )
+
+
+# -- training ------------------------------------------------------------------------------------
+def build(config):
+    """The pipeline's transformer, AdamW over what trains, the cached samples, the objective."""
+    fam = pipeline_family(config)
+    data = cached_data(config, fam)
+    model = load_component(pipeline_folder(config), "transformer")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "data": data,
+        "family": fam,
+        "objective": make_objective(config),
+    }
+
+
+def train_step(batch, model, family, objective):
+    """The flow-matching loss of one micro-batch of cached latents."""
+    return family.loss(model, batch, objective)
+
+
+def sample(model, gen, config, family, step):
+    """The validation prompts through the pipeline, with the weights being trained (or EMA)."""
+    global _sampling_pipe
+    validation = config.validation
+    transformer = gen.unwrap(model)
+    if _sampling_pipe is None:
+        _sampling_pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=transformer)
+        _sampling_pipe.to(gen.device)
+        _sampling_pipe.set_progress_bar_config(disable=True)
+    _sampling_pipe.transformer = transformer
+    generator = torch.Generator(gen.device).manual_seed(int(validation.seed))
+    return family.sample(_sampling_pipe, list(validation.prompts), validation, generator)
+
+
+def finish(gen, config):
+    """Export: the pipeline folder with the trained transformer, or the LoRA adapters."""
+    folder = pipeline_folder(config)
+    use_ema = config.trainer.export_ema and gen.ema is not None
+    if config.optimization.lora is not None:
+        gen.save_lora_peft(ema=use_ema)  # the .lora.safetensors file is the final checkpoint
+        return
+    out = Path(config.get_results_dir()) / "pipeline"
+    gen.save_diffusers(out / "transformer", ema=use_ema)
+    if gen.is_main_process:
+        for part in folder.iterdir():
+            if part.name != "transformer":
+                copy = shutil.copytree if part.is_dir() else shutil.copy2
+                target = out / part.name
+                if target.exists():
+                    shutil.rmtree(target) if target.is_dir() else target.unlink()
+                copy(part, target)
