@@ -1,0 +1,161 @@
+"""The fine-tuning recipes end to end on the CPU: a tiny pipeline folder and a media folder the
+test makes, the cache built once, 2 gloo ranks under fsdp2 with EMA, samples, and exports that
+plain diffusers loads. The video recipe fills its cache with `litegen cache build` and trains
+LoRA adapters; the image recipe fills its cache from the ranks and trains the whole transformer.
+The ranks are forked (run_entry, as `litegen launch`'s workers run it): test_recipes.py covers
+the launcher itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from litegen_cli.app import app
+from tests.distributed.harness import run_ranks
+from tests.media import make_media_folder
+from tests.pipelines import tiny_pipeline_folder
+
+pytest.importorskip("diffusers")
+pytest.importorskip("av")
+pytest.importorskip("peft")
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+DOC = RECIPES.parent / "docs" / "finetune.md"
+# A short run at the tiny pipeline's size: two samples of 32x32 per step, one sample at the end.
+SHORT = [
+    "runtime.device=cpu",
+    "launch.nproc_per_node=2",
+    "optimization.precision.preset=null",
+    "global_batch_size=2",
+    "max_steps=4",
+    "trainer.sample_every=4",
+    "trainer.checkpoint_every=0",
+    "trainer.log_every=2",
+    "data.resolution=32",
+    "validation.steps=2",
+    "validation.height=32",
+    "validation.width=32",
+]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = make_media_folder(tmp_path_factory.mktemp("media"), images=2, videos=4, frames=9)
+    (root / "clips" / "broken.mp4").write_bytes(b"not a video")
+    (root / "clips" / "broken.txt").write_text("a clip that cannot be read")
+    return root
+
+
+def shard_indexes(cache_root: Path) -> set[str]:
+    return {p.relative_to(cache_root).as_posix() for p in cache_root.glob("*/*.json")}
+
+
+def transformer_output(transformer: torch.nn.Module) -> torch.Tensor:
+    """The transformer on one fixed input: what the exports must agree on."""
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 4, 3, 4, 4, generator=generator)
+    text = torch.randn(1, 32, 32, generator=generator)
+    with torch.no_grad():
+        return transformer(latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text,
+                           return_dict=False)[0]  # fmt: skip
+
+
+def train_recipe(name: str, overrides: list[str]) -> list[float]:
+    from litegen.trainer import run_entry
+    from litegen_cli.recipe import load_recipe
+
+    recipe = load_recipe(RECIPES / name, overrides)
+    return run_entry(recipe.config, recipe.launch.entry, recipe.base_dir)
+
+
+def test_video_recipe_cache_build_then_train_with_lora(
+    tmp_path: Path, media: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from diffusers import WanPipeline
+    from peft import PeftModel
+
+    pipeline = tiny_pipeline_folder("wan", tmp_path)
+    cache_root, results = tmp_path / "cache", tmp_path / "results" / "finetune_video"
+    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
+                 f"data.cache_root={cache_root}", f"results_dir={results}", "data.max_frames=9",
+                 "validation.frames=9"]  # fmt: skip
+    recipe = str(RECIPES / "finetune_video.yaml")
+
+    built = CliRunner().invoke(app, ["cache", "build", recipe, *overrides], env={"COLUMNS": "250"})
+    assert built.exit_code == 0, built.output
+    assert re.search(
+        r"misses \(encoded now\)\s*│\s*6\s*│", built.output
+    )  # the broken clip: skipped
+    shards = shard_indexes(cache_root)
+    assert len(shards) == 1
+
+    losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert shard_indexes(cache_root) == shards  # training read the cache and encoded nothing
+    assert (results / "samples" / "step_4" / "samples.gif").is_file()
+
+    # The EMA adapters through diffusers' loader and through peft give the same transformer,
+    # and it is not the base one.
+    base = transformer_output(WanPipeline.from_pretrained(pipeline).transformer)
+    pipe = WanPipeline.from_pretrained(pipeline)
+    pipe.load_lora_weights(str(results / "finetune_video.ema.lora.safetensors"))
+    through_diffusers = transformer_output(pipe.transformer)
+    base_model = WanPipeline.from_pretrained(pipeline).transformer
+    through_peft = transformer_output(
+        PeftModel.from_pretrained(base_model, str(results / "finetune_video.ema.peft"))
+    )
+    torch.testing.assert_close(through_diffusers, through_peft)
+    assert not torch.allclose(through_diffusers, base)
+
+    # docs/finetune.md's loading code, as written, from the folder it names.
+    (tmp_path / "tiny_wan").symlink_to(pipeline)
+    monkeypatch.chdir(tmp_path)
+    (code,) = re.findall(r"```python\n(.*?)```", DOC.read_text().split("\n## Recipes")[1], re.S)
+    exec(compile(code, "finetune.md", "exec"), {})
+
+
+def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media: Path) -> None:
+    from diffusers import DiffusionPipeline
+
+    pipeline = tiny_pipeline_folder("flux", tmp_path)
+    cache_root, results = tmp_path / "cache", tmp_path / "results"
+    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
+                 f"data.cache_root={cache_root}", f"results_dir={results}",
+                 "optimization.lora=null"]  # fmt: skip
+    losses = run_ranks(train_recipe, 2, "finetune_image.yaml", overrides)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert len(shard_indexes(cache_root)) == 2  # the ranks encoded half the files each
+    assert (results / "samples" / "step_4" / "samples.png").is_file()
+
+    exported = DiffusionPipeline.from_pretrained(results / "pipeline")
+    ema = torch.load(results / "finetune_image.ema.pth", weights_only=True)
+    state = exported.transformer.state_dict()
+    assert state.keys() == ema.keys()
+    assert all(torch.equal(t, ema[k]) for k, t in state.items())
+    image = exported(prompt="a red fox", height=32, width=32, num_inference_steps=2,
+                     max_sequence_length=32, output_type="pt").images  # fmt: skip
+    assert image.shape == (1, 3, 32, 32)
+
+
+def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None:
+    import shutil
+
+    pipeline = shutil.copytree(tiny_pipeline_folder("wan", tmp_path / "made"), tmp_path / "wan")
+    shutil.rmtree(pipeline / "vae")
+    recipe = str(RECIPES / "finetune_video.yaml")
+    runner = CliRunner()
+    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={pipeline}",
+                                 f"data.folder={media}"], env={"COLUMNS": "250"})  # fmt: skip
+    assert result.exit_code == 2
+    assert "misses its 'vae' component" in result.output.replace("\n", "")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={tmp_path / 'made' / 'wan'}",
+                                 f"data.folder={empty}"], env={"COLUMNS": "250"})  # fmt: skip
+    assert result.exit_code == 2
+    assert "holds no images" in result.output.replace("\n", "")
