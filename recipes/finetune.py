@@ -80,6 +80,11 @@ def make_objective(config) -> FlowMatching:
 
 
 def media(config, fam: Family) -> MediaDataset:
+    if not config.data.get("folder"):
+        raise ValueError(
+            "data.folder is not set: give the folder of images and videos with captions "
+            "(docs/finetune.md#media-folders)."
+        )
     folder = pipeline_folder(config)
     configs = {"vae": _json(folder / "vae" / "config.json")}
     buckets = fam.buckets(configs, config.data)

@@ -31,6 +31,20 @@ def test_flow_sigmas_and_timesteps_match_the_scheduler(shift: float) -> None:
     torch.testing.assert_close(objective.timesteps(sigmas), scheduler.timesteps)
 
 
+def test_wan_unipc_flow_config_gives_its_flow_shift() -> None:
+    scheduler = diffusers.UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    objective = FlowMatching.from_scheduler_config(scheduler.config)
+    assert objective.shift == 3.0
+    scheduler.set_timesteps(10)
+    unshifted = torch.linspace(1, 1 / 1000, 11)[:-1]
+    ours = shift_sigmas(unshifted, objective.shift)
+    torch.testing.assert_close(ours[1:], scheduler.sigmas[1:-1])  # its first is 1 - 1e-6
+    with pytest.raises(ValueError, match="NoisePrediction"):
+        FlowMatching.from_scheduler_config(diffusers.DDPMScheduler().config)
+
+
 def test_resolution_shift_matches_the_dynamic_scheduler() -> None:
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 

@@ -133,20 +133,36 @@ class FlowMatching:
 
     @classmethod
     def from_scheduler_config(cls, config: Mapping[str, Any], **options: Any) -> FlowMatching:
-        """The objective a ``FlowMatchEulerDiscreteScheduler`` config samples with.
+        """The objective a flow-matching scheduler config samples with.
 
-        Takes ``num_train_timesteps`` and ``shift``; a config with ``use_dynamic_shifting``
-        (Flux, LTX-Video) shifts by resolution at sampling time, so training starts unshifted
-        and :meth:`sample_sigmas` takes ``shift=resolution_shift(seq_len, ...)`` to match it.
-        ``options`` set the other fields (``density``, ``weighting``, ...).
+        Takes ``num_train_timesteps`` and the shift: ``shift`` of
+        ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux, LTX-Video, HunyuanVideo) or
+        ``flow_shift`` of a multistep scheduler with ``use_flow_sigmas`` (UniPC, as Wan's
+        published pipelines have). A config with ``use_dynamic_shifting`` (Flux, LTX-Video)
+        shifts by resolution at sampling time, so training starts unshifted and
+        :meth:`sample_sigmas` takes ``shift=resolution_shift(seq_len, ...)`` to match it.
+        ``options`` set the other fields (``density``, ``weighting``, ...). A DDPM-style config
+        (``prediction_type`` epsilon, v_prediction or sample) is refused: use
+        :class:`~litegen.objectives.NoisePrediction`.
 
         Example:
             >>> FlowMatching.from_scheduler_config({"shift": 5.0}, density="logit_normal").shift
             5.0
+            >>> FlowMatching.from_scheduler_config({"use_flow_sigmas": True, "flow_shift": 3.0}).shift
+            3.0
         """
+        prediction = config.get("prediction_type")
+        if prediction in ("epsilon", "v_prediction", "sample") and not config.get(
+            "use_flow_sigmas"
+        ):
+            raise ValueError(
+                f"the scheduler config predicts {prediction!r}, not a flow: train it with "
+                "NoisePrediction.from_scheduler_config, or give a flow-matching scheduler config."
+            )
+        shift = config.get("shift", config.get("flow_shift", 1.0))
         fields: dict[str, Any] = {
             "num_train_timesteps": int(config.get("num_train_timesteps", 1000)),
-            "shift": 1.0 if config.get("use_dynamic_shifting") else float(config.get("shift", 1)),
+            "shift": 1.0 if config.get("use_dynamic_shifting") else float(shift),
         }
         return cls(**{**fields, **options})
 
