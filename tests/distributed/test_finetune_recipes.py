@@ -159,3 +159,18 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
                                  f"data.folder={empty}"], env={"COLUMNS": "250"})  # fmt: skip
     assert result.exit_code == 2
     assert "holds no images" in result.output.replace("\n", "")
+
+
+@pytest.mark.slow
+def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Path) -> None:
+    """Two ranks split each clip's tokens (sp_size 2): training and sampling run on both."""
+    pipeline = tiny_pipeline_folder("wan", tmp_path)
+    results = tmp_path / "results"
+    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
+                 f"data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
+                 "data.max_frames=9", "validation.frames=9", "optimization.parallel.sp_size=2",
+                 "global_batch_size=1", "trainer.sample_every=2"]  # fmt: skip
+    losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)
+    assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[0])))
+    for step in (2, 4):
+        assert (results / "samples" / f"step_{step}" / "samples.gif").is_file()
