@@ -1,21 +1,31 @@
-"""Tiny diffusers pipeline folders for tests, built once per session by scripts/make_tiny_pipeline.py."""
+"""Tiny diffusers pipeline folders for tests, written once per test process by
+scripts/make_tiny_pipeline.py. Treat them as read-only: copy one before changing it."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def tiny_pipeline_folder(family: str, root: Path) -> Path:
-    """``root/<family>``, written on first use: the tiny pipeline of ``family`` (wan, flux)."""
-    folder = root / family
-    if not (folder / "model_index.json").is_file():
-        sys.path.insert(0, str(SCRIPTS))
-        try:
-            from make_tiny_pipeline import make_tiny_pipeline
-        finally:
-            sys.path.remove(str(SCRIPTS))
-        make_tiny_pipeline(family, folder)
-    return folder
+@functools.cache
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="litegen-tiny-pipelines-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def tiny_pipeline_folder(family: str) -> Path:
+    """The tiny pipeline folder of ``family`` (wan, flux), shared by the tests of a process."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from make_tiny_pipeline import make_tiny_pipeline
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return make_tiny_pipeline(family, _root() / family)

@@ -79,7 +79,7 @@ def test_video_recipe_cache_build_then_train_with_lora(
     from diffusers import WanPipeline
     from peft import PeftModel
 
-    pipeline = tiny_pipeline_folder("wan", tmp_path)
+    pipeline = tiny_pipeline_folder("wan")
     cache_root, results = tmp_path / "cache", tmp_path / "results" / "finetune_video"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}", "data.max_frames=9",
@@ -122,7 +122,7 @@ def test_video_recipe_cache_build_then_train_with_lora(
 def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media: Path) -> None:
     from diffusers import DiffusionPipeline
 
-    pipeline = tiny_pipeline_folder("flux", tmp_path)
+    pipeline = tiny_pipeline_folder("flux")
     cache_root, results = tmp_path / "cache", tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}",
@@ -145,7 +145,7 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
 def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None:
     import shutil
 
-    pipeline = shutil.copytree(tiny_pipeline_folder("wan", tmp_path / "made"), tmp_path / "wan")
+    pipeline = shutil.copytree(tiny_pipeline_folder("wan"), tmp_path / "wan")
     shutil.rmtree(pipeline / "vae")
     recipe = str(RECIPES / "finetune_video.yaml")
     runner = CliRunner()
@@ -155,7 +155,7 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     assert "misses its 'vae' component" in result.output.replace("\n", "")
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={tmp_path / 'made' / 'wan'}",
+    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={tiny_pipeline_folder('wan')}",
                                  f"data.folder={empty}"], env={"COLUMNS": "250"})  # fmt: skip
     assert result.exit_code == 2
     assert "holds no images" in result.output.replace("\n", "")
@@ -164,7 +164,7 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
 @pytest.mark.slow
 def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Path) -> None:
     """Two ranks split each clip's tokens (sp_size 2): training and sampling run on both."""
-    pipeline = tiny_pipeline_folder("wan", tmp_path)
+    pipeline = tiny_pipeline_folder("wan")
     results = tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",

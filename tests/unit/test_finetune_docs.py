@@ -19,17 +19,10 @@ def test_the_page_has_code() -> None:
     assert BLOCKS
 
 
-@pytest.fixture(scope="module")
-def pipelines(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pipelines")
-
-
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_block_runs(
-    index: int, tmp_path: Path, pipelines: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for family in ("wan", "flux"):
         if f"tiny_{family}" in BLOCKS[index]:  # the folder scripts/make_tiny_pipeline.py writes
-            (tmp_path / f"tiny_{family}").symlink_to(tiny_pipeline_folder(family, pipelines))
+            (tmp_path / f"tiny_{family}").symlink_to(tiny_pipeline_folder(family))
     monkeypatch.chdir(tmp_path)
     exec(compile(BLOCKS[index], f"{DOC.name} block {index}", "exec"), {})

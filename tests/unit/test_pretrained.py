@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_pipeline_folder("wan", tmp_path_factory.mktemp("pipelines"))
+def wan() -> Path:
+    return tiny_pipeline_folder("wan")
 
 
 def test_the_folder_names_its_components(wan: Path) -> None:
