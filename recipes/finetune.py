@@ -123,18 +123,25 @@ def make_cache(config, fam: Family, dataset: MediaDataset) -> tuple[TensorCache,
 
 
 def encoder(config, fam: Family, device: torch.device):
-    """``encode_fn`` of the cache: loads the pipeline without its transformer on first use."""
+    """``encode_fn`` of the cache: loads the pipeline without its transformer on first use,
+    encodes the samples of each shape together."""
     pipe = None
 
     def encode(samples: list[tuple[torch.Tensor, str]]) -> list[dict[str, torch.Tensor]]:
         nonlocal pipe
         if pipe is None:
             pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=None).to(device)
-        out = []
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for index, (pixels, _) in enumerate(samples):
+            by_shape.setdefault(tuple(pixels.shape), []).append(index)
+        out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
         with torch.no_grad():
-            for pixels, caption in samples:  # one at a time: samples differ in shape
-                tensors = fam.encode(pipe, pixels[None].to(device), [caption])
-                out.append({k: v[0].cpu() for k, v in tensors.items()})
+            for indices in by_shape.values():
+                pixels = torch.stack([samples[i][0] for i in indices])
+                captions = [samples[i][1] for i in indices]
+                tensors = fam.encode(pipe, pixels, captions, config.data.encode_batch_size)
+                for row, index in enumerate(indices):
+                    out[index] = {name: value[row].cpu() for name, value in tensors.items()}
         return out
 
     return encode
@@ -177,20 +184,20 @@ def cached_data(config, fam: Family) -> DataLoader:
     """The media folder's samples from the cache; what is missing is encoded first, by all ranks."""
     dataset = media(config, fam)
     cache, keys = make_cache(config, fam, dataset)
-    missing = sum(key not in cache for key in keys)
-    if missing:
+    if any(key not in cache for key in keys):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         fill_cache(
             cache,
             dataset,
             encoder(config, fam, _device(config)),
             keys=keys,
+            batch_size=config.data.encode_batch_size,
             rank=rank,
             world_size=world,
         )
-        if dist.is_initialized():
-            dist.barrier()
-        cache.refresh()
+    if dist.is_initialized():
+        dist.barrier()  # every rank's share is written before any rank reads
+    cache.refresh()
     sampler = BucketBatchSampler(dataset.keys)
     return DataLoader(
         CachedSamples(cache, keys), batch_sampler=sampler, collate_fn=CachedSamples.collate_fn

@@ -15,6 +15,7 @@ import torch
 
 from litegen.data import MediaBuckets
 from litegen.objectives import FlowMatching, resolution_shift
+from litegen.utils.encode import vae_encode
 
 
 class Family:
@@ -82,9 +83,11 @@ class Wan(Family):
             frame_stride=data.frame_stride,
         )
 
-    def encode(self, pipe, pixels, captions):
+    def encode(self, pipe, pixels, captions, micro_batch_size):
         vae = pipe.vae
-        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        latents = vae_encode(
+            vae, pixels, micro_batch_size=micro_batch_size, sample=False, scale=False
+        )
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
         std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
@@ -92,7 +95,7 @@ class Wan(Family):
             captions,
             do_classifier_free_guidance=False,
             max_sequence_length=pipe.tokenizer.model_max_length,
-            device=pixels.device,
+            device=pipe.device,
         )
         return {"latents": (latents - mean) / std, "prompt_embeds": prompt_embeds}
 
@@ -131,15 +134,14 @@ class Flux(Family):
     def buckets(self, pipe_config, data):
         return MediaBuckets(resolution=data.resolution, spatial_multiple=self.spatial_multiple)
 
-    def encode(self, pipe, pixels, captions):
-        vae = pipe.vae
-        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
-        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+    def encode(self, pipe, pixels, captions, micro_batch_size):
+        # (z - shift_factor) * scaling_factor, the inverse of the pipeline's decode.
+        latents = vae_encode(pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False)
         prompt_embeds, pooled, _ = pipe.encode_prompt(
             captions,
             prompt_2=None,
             max_sequence_length=pipe.tokenizer_2.model_max_length,
-            device=pixels.device,
+            device=pipe.device,
         )
         return {"latents": latents, "prompt_embeds": prompt_embeds, "pooled": pooled}
 
