@@ -66,6 +66,11 @@ class Family:
         raise NotImplementedError
 
 
+def _max_length(tokenizer: Any) -> int:
+    """The tokenizer's length, at most 512 (a tokenizer without one says 10^30)."""
+    return min(int(tokenizer.model_max_length), 512)
+
+
 def _dtype(model: Any) -> torch.dtype:
     return next(model.parameters()).dtype  # bf16 under the bf16-mixed preset
 
@@ -94,7 +99,7 @@ class Wan(Family):
         prompt_embeds, _ = pipe.encode_prompt(
             captions,
             do_classifier_free_guidance=False,
-            max_sequence_length=pipe.tokenizer.model_max_length,
+            max_sequence_length=_max_length(pipe.tokenizer),
             device=pipe.device,
         )
         return {"latents": (latents - mean) / std, "prompt_embeds": prompt_embeds}
@@ -121,7 +126,7 @@ class Wan(Family):
             num_frames=validation.frames,
             num_inference_steps=validation.steps,
             guidance_scale=validation.guidance,
-            max_sequence_length=pipe.tokenizer.model_max_length,
+            max_sequence_length=_max_length(pipe.tokenizer),
             generator=generator,
             output_type="pt",
         ).frames  # (N, T, C, H, W) in [0, 1]
@@ -140,7 +145,7 @@ class Flux(Family):
         prompt_embeds, pooled, _ = pipe.encode_prompt(
             captions,
             prompt_2=None,
-            max_sequence_length=pipe.tokenizer_2.model_max_length,
+            max_sequence_length=_max_length(pipe.tokenizer_2),
             device=pipe.device,
         )
         return {"latents": latents, "prompt_embeds": prompt_embeds, "pooled": pooled}
@@ -180,7 +185,7 @@ class Flux(Family):
             width=validation.width,
             num_inference_steps=validation.steps,
             guidance_scale=validation.guidance,
-            max_sequence_length=pipe.tokenizer_2.model_max_length,
+            max_sequence_length=_max_length(pipe.tokenizer_2),
             generator=generator,
             output_type="pt",
         ).images  # (N, C, H, W) in [0, 1]
