@@ -2,6 +2,7 @@
 
     uv run python scripts/make_tiny_pipeline.py wan  tiny_wan    # text-to-video: WanPipeline
     uv run python scripts/make_tiny_pipeline.py flux tiny_flux   # text-to-image: FluxPipeline
+    uv run python scripts/make_tiny_pipeline.py wan-1.3b wan_shapes  # GPU benchmarks, see below
 
 The folders have the layout of the published pipelines (``model_index.json``, ``transformer/``,
 ``vae/``, ``text_encoder*/``, ``tokenizer*/``, ``scheduler/``) and the same latent rules (VAE
@@ -9,6 +10,11 @@ downsampling 8 in space, 4 in time for Wan; patches of 2), at a size that trains
 a CPU in seconds. The tokenizers are byte-level BPEs trained on a few sentences with
 ``tokenizers`` (no download): any prompt tokenizes. Fine-tuning recipes and their tests point
 ``model.pretrained`` at these folders; on a GPU node point it at the real pipeline instead.
+
+``wan-1.3b`` has Wan2.1-T2V-1.3B-Diffusers' transformer, VAE and scheduler configs with random
+weights, and a one-layer UMT5 of its width (4096) in place of the 5.7B-parameter encoder: the
+shapes of a real-size fine-tuning run, for benchmarks on a machine without the published
+weights (about 6 GB on disk).
 """
 
 from __future__ import annotations
@@ -177,7 +183,62 @@ def tiny_flux_pipeline(seed: int = 0) -> Any:
     )
 
 
-PIPELINES = {"wan": tiny_wan_pipeline, "flux": tiny_flux_pipeline}
+def wan_1_3b_shapes_pipeline(seed: int = 0) -> Any:
+    """Wan 2.1 T2V 1.3B's transformer, VAE and scheduler (random weights), a shallow UMT5."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(512, bos=False)
+    transformer = WanTransformer3DModel(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers/transformer
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    )
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=4096,
+            d_kv=64,
+            d_ff=1024,
+            num_layers=1,
+            num_heads=64,
+            relative_attention_num_buckets=32,
+        )
+    )
+    scheduler = UniPCMultistepScheduler(  # as published: flow sigmas, shift 3
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=encoder,
+        transformer=transformer,
+        vae=AutoencoderKLWan(),  # its defaults are Wan 2.1's VAE
+        scheduler=scheduler,
+    )
+
+
+PIPELINES = {
+    "wan": tiny_wan_pipeline,
+    "flux": tiny_flux_pipeline,
+    "wan-1.3b": wan_1_3b_shapes_pipeline,
+}
 
 
 def make_tiny_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
