@@ -227,18 +227,33 @@ def train_step(batch, model, family, objective):
     return family.loss(model, batch, objective)
 
 
-def sample(model, gen, config, family, step):
-    """The validation prompts through the pipeline, with the weights being trained (or EMA)."""
+def sample(model, gen, config, family):
+    """The validation prompts through the pipeline, with the weights being trained (or EMA).
+
+    The VAE and text encoders (bf16 on a GPU) come to the device for the call and go back to
+    the CPU after it, so training keeps their memory between samples.
+    """
     global _sampling_pipe
     validation = config.validation
-    transformer = gen.unwrap(model)
     if _sampling_pipe is None:
-        _sampling_pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=transformer)
-        _sampling_pipe.to(gen.device)
+        dtype = torch.bfloat16 if gen.device.type == "cuda" else None
+        folder = pipeline_folder(config)
+        _sampling_pipe = load_pipeline(folder, trained=(), transformer=None, torch_dtype=dtype)
         _sampling_pipe.set_progress_bar_config(disable=True)
-    _sampling_pipe.transformer = transformer
-    generator = torch.Generator(gen.device).manual_seed(int(validation.seed))
-    return family.sample(_sampling_pipe, list(validation.prompts), validation, generator)
+    _sampling_pipe.transformer = gen.unwrap(model)
+    frozen = [
+        module
+        for name, module in _sampling_pipe.components.items()
+        if isinstance(module, torch.nn.Module) and name != "transformer"
+    ]
+    for module in frozen:
+        module.to(gen.device)
+    try:
+        generator = torch.Generator(gen.device).manual_seed(int(validation.seed))
+        return family.sample(_sampling_pipe, list(validation.prompts), validation, generator)
+    finally:
+        for module in frozen:
+            module.to("cpu")
 
 
 def finish(gen, config):
