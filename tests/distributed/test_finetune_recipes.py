@@ -143,22 +143,32 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
 
 
 def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None:
+    import json
     import shutil
 
-    pipeline = shutil.copytree(tiny_pipeline_folder("wan"), tmp_path / "wan")
-    shutil.rmtree(pipeline / "vae")
     recipe = str(RECIPES / "finetune_video.yaml")
-    runner = CliRunner()
-    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={pipeline}",
-                                 f"data.folder={media}"], env={"COLUMNS": "250"})  # fmt: skip
-    assert result.exit_code == 2
-    assert "misses its 'vae' component" in result.output.replace("\n", "")
+    wan = tiny_pipeline_folder("wan")
+
+    def cache_build(pipeline: Path, folder: Path) -> str:
+        args = ["cache", "build", recipe, f"model.pretrained={pipeline}", f"data.folder={folder}"]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        return result.output.replace("\n", "")
+
+    no_vae = shutil.copytree(wan, tmp_path / "no_vae")
+    shutil.rmtree(no_vae / "vae")
+    assert "misses its 'vae' component" in cache_build(no_vae, media)
+    other = shutil.copytree(wan, tmp_path / "other")
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "CogVideoXPipeline"})
+    )
+    assert "is a CogVideoXPipeline, which recipes/finetune.py does not train" in cache_build(
+        other, media
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = runner.invoke(app, ["cache", "build", recipe, f"model.pretrained={tiny_pipeline_folder('wan')}",
-                                 f"data.folder={empty}"], env={"COLUMNS": "250"})  # fmt: skip
-    assert result.exit_code == 2
-    assert "holds no images" in result.output.replace("\n", "")
+    assert "holds no images" in cache_build(wan, empty)
 
 
 @pytest.mark.slow
