@@ -104,7 +104,8 @@ def _files_digest(folder: Path) -> str:
 
 
 def make_cache(config, fam: Family, dataset: MediaDataset) -> tuple[TensorCache, list[str]]:
-    """The cache namespace of this pipeline, family and bucket rule; one key per file."""
+    """The cache namespace of this pipeline, family and bucket rule; one key per file, then
+    :data:`EMPTY_PROMPT`, as :class:`CacheSources` orders them."""
     folder = pipeline_folder(config)
     name = fingerprint(
         type(fam),  # names the folder: wan-<digest>
@@ -119,7 +120,24 @@ def make_cache(config, fam: Family, dataset: MediaDataset) -> tuple[TensorCache,
         stat = file.path.stat()
         identity = f"{file.path.relative_to(dataset.root)}|{stat.st_size}|{stat.st_mtime_ns}|{file.caption}"
         keys.append(hashlib.sha256(identity.encode()).hexdigest()[:24])
-    return cache, keys
+    return cache, [*keys, EMPTY_PROMPT]
+
+
+EMPTY_PROMPT = "empty-prompt"  # the cache key of the empty caption's text embeddings
+
+
+class CacheSources(Dataset):
+    """What the cache encodes: the media dataset's ``(pixels, caption)`` samples, then the
+    empty caption alone (``(None, "")``: text embeddings for caption dropout)."""
+
+    def __init__(self, media: MediaDataset) -> None:
+        self.media = media
+
+    def __len__(self) -> int:
+        return len(self.media) + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, str]:
+        return self.media[index] if index < len(self.media) else (None, "")
 
 
 def encoder(config, fam: Family, device: torch.device):
@@ -127,19 +145,21 @@ def encoder(config, fam: Family, device: torch.device):
     encodes the samples of each shape together."""
     pipe = None
 
-    def encode(samples: list[tuple[torch.Tensor, str]]) -> list[dict[str, torch.Tensor]]:
+    def encode(samples: list[tuple[torch.Tensor | None, str]]) -> list[dict[str, torch.Tensor]]:
         nonlocal pipe
         if pipe is None:
             pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=None).to(device)
-        by_shape: dict[tuple[int, ...], list[int]] = {}
+        by_shape: dict[tuple[int, ...] | None, list[int]] = {}
         for index, (pixels, _) in enumerate(samples):
-            by_shape.setdefault(tuple(pixels.shape), []).append(index)
+            by_shape.setdefault(None if pixels is None else tuple(pixels.shape), []).append(index)
         out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
         with torch.no_grad():
-            for indices in by_shape.values():
-                pixels = torch.stack([samples[i][0] for i in indices])
-                captions = [samples[i][1] for i in indices]
-                tensors = fam.encode(pipe, pixels, captions, config.data.encode_batch_size)
+            for shape, indices in by_shape.items():
+                tensors = fam.text(pipe, [samples[i][1] for i in indices])
+                if shape is not None:
+                    pixels = torch.stack([samples[i][0] for i in indices])
+                    batch = config.data.encode_batch_size
+                    tensors["latents"] = fam.latents(pipe, pixels, batch)
                 for row, index in enumerate(indices):
                     out[index] = {name: value[row].cpu() for name, value in tensors.items()}
         return out
@@ -153,7 +173,7 @@ def build_cache(config):
     dataset = media(config, fam)
     cache, keys = make_cache(config, fam, dataset)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return cache, dataset, encoder(config, fam, device), keys
+    return cache, CacheSources(dataset), encoder(config, fam, device), keys
 
 
 class CachedSamples(Dataset):
@@ -180,15 +200,16 @@ def _device(config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def cached_data(config, fam: Family) -> DataLoader:
-    """The media folder's samples from the cache; what is missing is encoded first, by all ranks."""
+def cached_data(config, fam: Family) -> tuple[DataLoader, dict[str, torch.Tensor]]:
+    """The media folder's samples from the cache, and the empty caption's text embeddings;
+    what is missing is encoded first, by all ranks."""
     dataset = media(config, fam)
     cache, keys = make_cache(config, fam, dataset)
     if any(key not in cache for key in keys):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         fill_cache(
             cache,
-            dataset,
+            CacheSources(dataset),
             encoder(config, fam, _device(config)),
             keys=keys,
             batch_size=config.data.encode_batch_size,
@@ -199,16 +220,44 @@ def cached_data(config, fam: Family) -> DataLoader:
         dist.barrier()  # every rank's share is written before any rank reads
     cache.refresh()
     sampler = BucketBatchSampler(dataset.keys)
-    return DataLoader(
-        CachedSamples(cache, keys), batch_sampler=sampler, collate_fn=CachedSamples.collate_fn
-    )
+    samples = CachedSamples(cache, keys[: len(dataset)])
+    loader = DataLoader(samples, batch_sampler=sampler, collate_fn=CachedSamples.collate_fn)
+    return loader, cache.get(EMPTY_PROMPT)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptionDropout:
+    """Each sample's text embeddings swapped for the empty caption's with ``probability``
+    (drawn from the training RNG): the unconditional half classifier-free guidance samples
+    with. Not indexable, so ``build``'s dict hands it to ``train_step`` as it is.
+
+    Example:
+        >>> batch = {"latents": torch.zeros(4, 2), "prompt_embeds": torch.ones(4, 3, 2)}
+        >>> dropout = CaptionDropout(1.0, {"prompt_embeds": torch.zeros(3, 2)})
+        >>> dropout(batch)["prompt_embeds"].sum()
+        tensor(0.)
+    """
+
+    probability: float
+    empty: dict[str, torch.Tensor]
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.probability <= 0:
+            return batch
+        some = next(iter(batch.values()))
+        dropped = torch.rand(some.shape[0], device=some.device) < self.probability
+        out = dict(batch)
+        for name, value in self.empty.items():
+            mask = dropped.view(-1, *([1] * value.dim()))
+            out[name] = torch.where(mask, value.to(batch[name]), batch[name])
+        return out
 
 
 # -- training ------------------------------------------------------------------------------------
 def build(config):
     """The pipeline's transformer, AdamW over what trains, the cached samples, the objective."""
     fam = pipeline_family(config)
-    data = cached_data(config, fam)
+    data, empty_prompt = cached_data(config, fam)
     model = load_component(pipeline_folder(config), "transformer")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -219,12 +268,13 @@ def build(config):
         "data": data,
         "family": fam,
         "objective": make_objective(config),
+        "caption_dropout": CaptionDropout(float(config.data.caption_dropout), empty_prompt),
     }
 
 
-def train_step(batch, model, family, objective):
+def train_step(batch, model, family, objective, caption_dropout):
     """The flow-matching loss of one micro-batch of cached latents."""
-    return family.loss(model, batch, objective)
+    return family.loss(model, caption_dropout(batch), objective)
 
 
 def sample(model, gen, config, family):

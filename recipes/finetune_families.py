@@ -47,10 +47,13 @@ class Family:
         """The bucket rule of this family at the recipe's ``data.*`` settings."""
         raise NotImplementedError
 
-    def encode(
-        self, pipe: Any, pixels: torch.Tensor, captions: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """Latents and text embeddings of a batch (one bucket), as the transformer takes them."""
+    def latents(self, pipe: Any, pixels: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+        """Latents of a batch of one shape, normalised as the pipeline's decode expects; the
+        VAE sees ``micro_batch_size`` samples at a time."""
+        raise NotImplementedError
+
+    def text(self, pipe: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        """The text embeddings the transformer takes, one row per caption."""
         raise NotImplementedError
 
     def loss(
@@ -88,7 +91,7 @@ class Wan(Family):
             frame_stride=data.frame_stride,
         )
 
-    def encode(self, pipe, pixels, captions, micro_batch_size):
+    def latents(self, pipe, pixels, micro_batch_size):
         vae = pipe.vae
         latents = vae_encode(
             vae, pixels, micro_batch_size=micro_batch_size, sample=False, scale=False
@@ -96,13 +99,16 @@ class Wan(Family):
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
         std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
+        return (latents - mean) / std
+
+    def text(self, pipe, captions):
         prompt_embeds, _ = pipe.encode_prompt(
             captions,
             do_classifier_free_guidance=False,
             max_sequence_length=_max_length(pipe.tokenizer),
             device=pipe.device,
         )
-        return {"latents": (latents - mean) / std, "prompt_embeds": prompt_embeds}
+        return {"prompt_embeds": prompt_embeds}
 
     def loss(self, model, batch, objective):
         x0 = batch["latents"].float()
@@ -139,16 +145,18 @@ class Flux(Family):
     def buckets(self, pipe_config, data):
         return MediaBuckets(resolution=data.resolution, spatial_multiple=self.spatial_multiple)
 
-    def encode(self, pipe, pixels, captions, micro_batch_size):
+    def latents(self, pipe, pixels, micro_batch_size):
         # (z - shift_factor) * scaling_factor, the inverse of the pipeline's decode.
-        latents = vae_encode(pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False)
+        return vae_encode(pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False)
+
+    def text(self, pipe, captions):
         prompt_embeds, pooled, _ = pipe.encode_prompt(
             captions,
             prompt_2=None,
             max_sequence_length=_max_length(pipe.tokenizer_2),
             device=pipe.device,
         )
-        return {"latents": latents, "prompt_embeds": prompt_embeds, "pooled": pooled}
+        return {"prompt_embeds": prompt_embeds, "pooled": pooled}
 
     def loss(self, model, batch, objective):
         from diffusers import FluxPipeline

@@ -9,6 +9,7 @@ the launcher itself.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,8 @@ def test_video_recipe_cache_build_then_train_with_lora(
 
     built = CliRunner().invoke(app, ["cache", "build", recipe, *overrides], env={"COLUMNS": "250"})
     assert built.exit_code == 0, built.output
-    assert re.search(
-        r"misses \(encoded now\)\s*│\s*6\s*│", built.output
-    )  # the broken clip: skipped
+    # 6 files (the broken clip is skipped) and the empty caption, for caption dropout.
+    assert re.search(r"misses \(encoded now\)\s*│\s*7\s*│", built.output)
     shards = shard_indexes(cache_root)
     assert len(shards) == 1
 
@@ -126,7 +126,7 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
     cache_root, results = tmp_path / "cache", tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}",
-                 "optimization.lora=null"]  # fmt: skip
+                 "optimization.lora=null", "data.caption_dropout=0.5"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_image.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert len(shard_indexes(cache_root)) == 2  # the ranks encoded half the files each
@@ -140,6 +140,26 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
     image = exported(prompt="a red fox", height=32, width=32, num_inference_steps=2,
                      max_sequence_length=32, output_type="pt").images  # fmt: skip
     assert image.shape == (1, 3, 32, 32)
+
+
+def test_caption_dropout_swaps_whole_samples_for_the_empty_caption() -> None:
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from finetune import CaptionDropout
+    finally:
+        sys.path.remove(str(RECIPES))
+    batch = {"latents": torch.randn(4000, 2), "prompt_embeds": torch.ones(4000, 3, 2),
+             "pooled": torch.ones(4000, 2)}  # fmt: skip
+    empty = {"prompt_embeds": torch.zeros(3, 2), "pooled": torch.zeros(2)}
+    assert CaptionDropout(0.0, empty)(batch) is batch
+    torch.manual_seed(0)
+    out = CaptionDropout(0.25, empty)(batch)
+    dropped = out["prompt_embeds"].sum(dim=(1, 2)) == 0
+    assert torch.equal(dropped, out["pooled"].sum(dim=1) == 0)  # text and pooled together
+    assert (out["prompt_embeds"][~dropped] == 1).all() and torch.equal(
+        out["latents"], batch["latents"]
+    )
+    assert 0.22 < dropped.float().mean() < 0.28
 
 
 def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None:
