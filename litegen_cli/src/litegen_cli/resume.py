@@ -19,10 +19,14 @@ from litegen_cli.recipe import Recipe, RecipeError, recipe_from_data
 _IGNORED = {"launch.recipe_dir"}  # bookkeeping that `litegen` fills in, not a user choice
 
 
-def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[str]]:
+def resume_recipe(
+    checkpoint: Path, overrides: list[str], branch: Path | None = None
+) -> tuple[Recipe, list[str]]:
     """The recipe that continues the run in ``checkpoint``, and the fields that changed.
 
     ``checkpoint`` is a ``step_<N>`` folder or a checkpoint_dir (its latest complete step).
+    ``branch``: the run continues in that new folder (results and checkpoints) instead of the
+    checkpoint's own.
     Raises RecipeError, naming the path and the problem, for a missing, partial or corrupt
     checkpoint; nothing is written.
 
@@ -55,7 +59,10 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
     before = {"launch": launch, **saved}
     data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
-    data.update(_folders_of(step_dir, saved))
+    if branch is None:
+        data.update(_folders_of(step_dir, saved))
+    else:
+        data.update(results_dir=str(branch.absolute()), checkpoint_dir=None)
     path = step_dir / "config.yaml"
     try:
         recipe = recipe_from_data(data, path, overrides)

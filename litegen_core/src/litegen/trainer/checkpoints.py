@@ -19,6 +19,7 @@ import yaml
 
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.checkpoint.run_state import find_latest
+from litegen.checkpoint.step_dirs import newer_checkpoints, resolve_checkpoint, step_of
 from litegen.data import data_state, load_data_state
 
 log = logging.getLogger("litegen")
@@ -54,6 +55,8 @@ class RunCheckpoints:
             >>> trainer.resume("results/dit/step_1000"); trainer.fit()
         """
         self._resume_checked = True
+        path = resolve_checkpoint(path)
+        self._refuse_to_replace_newer(path)
         state = self.checkpointer.load(path)
         if len(state["schedulers"]) != len(self.schedulers):
             raise ValueError(
@@ -67,6 +70,20 @@ class RunCheckpoints:
         load_data_state(self.loader, state.get("data"), self.step)
         self._restore_after_iter = state
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _refuse_to_replace_newer(self, path: Path) -> None:
+        """A run continued from an older step would overwrite the newer steps in its folder."""
+        step = step_of(path)
+        target = Path(self.config.get_checkpoint_dir())
+        newer = newer_checkpoints(target, step) if step is not None else []
+        if newer:
+            raise ValueError(
+                f"{target} holds checkpoints newer than {path.name}, which this run continues "
+                f"from: {', '.join(p.name for p in newer)}; continuing there would replace them. "
+                "Continue in another folder (litegen resume --branch NEW_FOLDER, or "
+                "checkpoint_dir=NEW_FOLDER), or move them aside (litegen resume "
+                "--move-newer-aside)."
+            )
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's part of a run checkpoint (the model side goes through DCP)."""
