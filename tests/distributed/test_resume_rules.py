@@ -31,13 +31,15 @@ from tests.unit.test_run_folder import snapshot
 pytestmark = pytest.mark.slow
 
 ENTRY = (f"launch.entry={FIXTURE}", "launch.nproc_per_node=2")
+DECAY = 0.9
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A run of STEPS steps with a checkpoint every 2 steps (no launch.yaml: forked ranks)."""
+    """A run of STEPS steps with a checkpoint every 2 steps and an LR schedule (lr * 0.9**step);
+    no launch.yaml: forked ranks."""
     root = tmp_path_factory.mktemp("finished")
-    run_ranks(run_entry_in_ranks, 2, entry_config(root))
+    run_ranks(run_entry_in_ranks, 2, entry_config(root, lr_decay=DECAY))
     return root
 
 
@@ -86,3 +88,28 @@ def test_branch_continues_in_a_new_folder_and_leaves_the_old_one(tmp_path, finis
     assert [m["step"] for m in read_metrics(branch)] == list(range(3, STEPS + 1))
     assert sorted(p.name for p in branch.glob("step_*")) == ["step_4", "step_6"]
     assert_same_weights(branch / "tiny.pth", torch.load(ckpt / "tiny.pth", weights_only=True))
+
+
+def test_an_lr_override_at_resume_reaches_the_optimizer_and_the_schedule(tmp_path, finished):
+    ckpt = copy_of(finished, tmp_path / "run")
+    args = ("resume", "--from", ckpt, "max_steps=8", "lr=0.005", *ENTRY)
+    code, out = finish(litegen(*args, cwd=tmp_path))
+    assert code == 0, out[-4000:]
+    assert "changed: lr: 0.01 -> 0.005 (applied: the restored optimizer's" in out
+    lrs = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "run")}
+    assert lrs[STEPS] == pytest.approx(0.01 * DECAY**STEPS)  # before: the saved rate
+    # After: the new rate on the same schedule (the scheduler steps after each step).
+    assert lrs[STEPS + 1] == pytest.approx(0.005 * DECAY ** (STEPS + 1))
+    assert lrs[STEPS + 2] == pytest.approx(0.005 * DECAY ** (STEPS + 2))
+
+
+def test_a_field_fixed_at_resume_is_refused_naming_it(tmp_path, finished):
+    ckpt = copy_of(finished, tmp_path / "run")
+    before = snapshot(tmp_path / "run")
+    args = ("resume", "--from", ckpt, "global_batch_size=16", "max_steps=8", *ENTRY)
+    code, out = finish(litegen(*args, cwd=tmp_path))
+    assert code == 2, out[-4000:]
+    flat = " ".join(out.replace("│", " ").split())
+    assert "global_batch_size: 8 -> 16: cannot change at resume: the step is the data" in flat
+    assert "max_steps" not in flat  # only the refused field is named
+    assert snapshot(tmp_path / "run") == before

@@ -19,7 +19,12 @@ import yaml
 
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.checkpoint.run_state import find_latest
-from litegen.checkpoint.step_dirs import newer_checkpoints, resolve_checkpoint, step_of
+from litegen.checkpoint.step_dirs import (
+    newer_checkpoints,
+    read_config_text,
+    resolve_checkpoint,
+    step_of,
+)
 from litegen.data import data_state, load_data_state
 
 log = logging.getLogger("litegen")
@@ -65,6 +70,7 @@ class RunCheckpoints:
             )
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(scheduler_state)
+        self._apply_changed_optimizer_settings(read_config_text(path))
         self.step = int(state["step"])
         # The data position (litegen/data/state.py); older checkpoints hold none.
         load_data_state(self.loader, state.get("data"), self.step)
@@ -84,6 +90,34 @@ class RunCheckpoints:
                 "checkpoint_dir=NEW_FOLDER), or move them aside (litegen resume "
                 "--move-newer-aside)."
             )
+
+    def _apply_changed_optimizer_settings(self, saved: dict[str, Any]) -> None:
+        """``lr`` and ``weight_decay`` changed since the checkpoint reach the restored optimizer
+        and schedulers, which otherwise keep the checkpoint's values.
+
+        Every param group's ``lr`` and ``initial_lr`` and every scheduler's ``base_lrs`` are
+        scaled by new/old, so the schedule keeps its shape (and groups their ratios) at the new
+        rate; the groups whose ``weight_decay`` was the old value take the new one.
+        """
+        old_lr, new_lr = float(saved.get("lr", self.config.lr)), self.config.lr
+        if old_lr != new_lr:
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    for key in ("lr", "initial_lr"):
+                        if key in group:
+                            group[key] = _rescaled(group[key], old_lr, new_lr)
+            for scheduler in self.schedulers:
+                scheduler.base_lrs = [_rescaled(lr, old_lr, new_lr) for lr in scheduler.base_lrs]
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+            log.info("lr changed at resume: %g -> %g (optimizer and schedulers)", old_lr, new_lr)
+        old_decay = float(saved.get("weight_decay", self.config.weight_decay))
+        new_decay = self.config.weight_decay
+        if old_decay != new_decay:
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    if group.get("weight_decay") == old_decay:
+                        group["weight_decay"] = new_decay
+            log.info("weight_decay changed at resume: %g -> %g", old_decay, new_decay)
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's part of a run checkpoint (the model side goes through DCP)."""
@@ -115,6 +149,11 @@ class RunCheckpoints:
         self.gen.save_optimizer(step=step)
         if self.gen.ema is not None:
             self.gen.save_ema(step=step)
+
+
+def _rescaled(value: Any, old: float, new: float) -> Any:
+    """A learning rate (float or tensor) moved from the old base rate to the new one."""
+    return value * (new / old) if old else new
 
 
 __all__ = ["RunCheckpoints"]
