@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_launch import finish, litegen, read_metrics
@@ -113,3 +114,19 @@ def test_a_field_fixed_at_resume_is_refused_naming_it(tmp_path, finished):
     assert "global_batch_size: 8 -> 16: cannot change at resume: the step is the data" in flat
     assert "max_steps" not in flat  # only the refused field is named
     assert snapshot(tmp_path / "run") == before
+
+
+def test_a_nan_at_a_checkpoint_step_commits_nothing_and_names_the_last_good(tmp_path):
+    root = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    data = {"launch": {"entry": str(FIXTURE), "nproc_per_node": 2}}
+    recipe.write_text(yaml.safe_dump({**data, **entry_config(root, nan_at_step=4)}))
+    code, out = finish(litegen("launch", recipe, cwd=tmp_path))
+    assert code == 1, out[-4000:]
+    flat = " ".join(out.replace("│", " ").split())
+    ckpt = root / "ckpt"
+    assert "the loss is not finite at step 4" in flat
+    bare = "".join(flat.split())  # rich wraps long paths anywhere
+    assert f"Thelastgoodcheckpointis{ckpt / 'step_2'}" in bare
+    assert (ckpt / "latest").read_text().strip() == "step_2"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_2"]

@@ -136,7 +136,12 @@ class RunCheckpoints:
             self.loader.generator.set_state(state["loader_generator"])
 
     def save_run_checkpoint(self) -> None:
-        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
+        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank.
+
+        The deferred loss checks of the steps up to this one come first: no checkpoint of a
+        step whose loss was not finite is ever written.
+        """
+        self.loss_guard.raise_if_nonfinite()
         # Absolute paths: `litegen resume` from any folder continues in the same folders.
         files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
         if self.run_info:
