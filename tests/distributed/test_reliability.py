@@ -5,6 +5,7 @@
 - zeroed and truncated shard bytes are refused with exit 2 naming the file;
 - a relaunch into a run folder changes nothing in it, and a run with a relative results_dir
   resumed from another folder continues in its own folder;
+- a rank killed by SIGKILL is named as the root failure, before the peer that saw it vanish;
 - the load test: launches killed (a rank or the launcher, SIGKILL, at a random moment), each
   followed by `litegen resume`, all end with the weights of an uninterrupted run. The number
   of launches is $LITEGEN_CHAOS_RUNS (default 1; the release load test sets 20).
@@ -236,3 +237,17 @@ def test_killed_runs_resume_to_the_weights_of_an_uninterrupted_run(tmp_path, ref
         assert code == 0, "\n".join([*history, out[-4000:]])
         assert_same_weights(root / "ckpt" / "tiny.pth", reference[1])
     print("\n".join(history))
+
+
+def test_a_rank_killed_by_sigkill_is_named_first_then_its_peer(tmp_path):
+    root = tmp_path / "run"
+    # A slow monitor: torchrun then gathers both failures, the peer's recorded error included.
+    config = config_of(root, kill_rank1_at_step=3)
+    recipe = write_recipe(tmp_path, config, monitor_interval=3.0)
+    code, out = finish(litegen("launch", recipe, cwd=tmp_path))
+    assert code == 1, out[-4000:]
+    lines = [" ".join(line.strip("│ ").split()) for line in out.splitlines()]
+    first = lines.index(next(line for line in lines if line.startswith("rank ")))
+    assert lines[first].startswith("rank 1: exit code -9: "), out[-4000:]
+    assert "SIGKILL" in lines[first]
+    assert lines[first + 1].startswith("then rank 0: exit code 1: "), out[-4000:]

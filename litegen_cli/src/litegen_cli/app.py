@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from litegen_cli import render
-from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed, RankFailure
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
 
@@ -148,14 +148,19 @@ def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
     if err.failures:
         root, others = err.failures[0], err.failures[1:]
         lines = [f"rank {root.rank}: exit code {root.exitcode}: {root.message}"]
-        if others:
-            lines.append(f"also stopped: rank {', '.join(str(f.rank) for f in others)}")
+        lines += [f"then rank {f.rank}: exit code {f.exitcode}: {_first_line(f)}" for f in others]
         if root.log:
             lines.append(f"Tracebacks of the failed ranks: {Path(root.log).parent}/")
     if resume and err.exit_code != EXIT_BAD_INPUT:
         lines.append(resume)
     bad_input = err.exit_code == EXIT_BAD_INPUT
     render.print_error("Bad input" if bad_input else "Training failed", lines)
+
+
+def _first_line(failure: RankFailure) -> str:
+    """A failure's message cut to one short line (the root one is shown whole)."""
+    line = (failure.message.splitlines() or [""])[0]
+    return line if len(line) <= 120 else line[:117] + "..."
 
 
 @app.command()
