@@ -5,6 +5,8 @@
 - zeroed and truncated shard bytes are refused with exit 2 naming the file;
 - a relaunch into a run folder changes nothing in it, and a run with a relative results_dir
   resumed from another folder continues in its own folder;
+- a full disk (a small tmpfs, mounted in a user namespace) fails the run with "No space left
+  on device", the folder, its free space and the last good step first, which stays `latest`;
 - a rank killed by SIGKILL is named as the root failure, before the peer that saw it vanish;
 - the load test: launches killed (a rank or the launcher, SIGKILL, at a random moment), each
   followed by `litegen resume`, all end with the weights of an uninterrupted run. The number
@@ -17,6 +19,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -251,3 +255,39 @@ def test_a_rank_killed_by_sigkill_is_named_first_then_its_peer(tmp_path):
     assert lines[first].startswith("rank 1: exit code -9: "), out[-4000:]
     assert "SIGKILL" in lines[first]
     assert lines[first + 1].startswith("then rank 0: exit code 1: "), out[-4000:]
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "true"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs user namespaces (unshare)")
+def test_a_full_disk_says_so_first_with_the_free_space_and_the_last_good_step(tmp_path):
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    root = disk / "run"
+    recipe = write_recipe(tmp_path, config_of(root, fill_disk_at_step=4))
+    # The tmpfs lives as long as the namespace: its files are copied out before it ends.
+    script = (
+        f"mount -t tmpfs -o size=16m tmpfs {disk} && {sys.executable} -m litegen_cli.app "
+        f"launch {recipe}; code=$?; rm -f {root}/ckpt/filler; cp -a {root} {kept}; exit $code"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    panel = out[out.index("Training failed") :].splitlines()
+    head = "".join("".join(line.strip("│ ").split()) for line in panel[1:4])
+    assert "rank" in panel[1] and "No space left on device" in panel[1], out[-4000:]
+    assert f"into{root / 'ckpt'}failed" in head
+    assert "freeof16.0MiBthere" in head
+    assert f"Thelastgoodcheckpointis{root / 'ckpt' / 'step_2'}" in head
+    assert (kept / "ckpt" / "latest").read_text().strip() == "step_2"
+    assert (kept / "ckpt" / "step_2" / "COMPLETE").is_file()
+    assert not (kept / "ckpt" / "step_4").exists()

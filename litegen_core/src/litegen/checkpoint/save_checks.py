@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 _SHOWN = 3  # non-finite tensors named per rank
+_NEARLY_FULL = 1 << 20  # bytes free below which a failed write is taken for a full disk
 
 
 def last_good_note(last_good: Path | None) -> str:
@@ -96,9 +97,13 @@ def write_failure(err: BaseException, folder: Path, step: int, last_good: Path |
     OSError('No space left on device: writing run checkpoint step_6 into /r failed (0 B free ...
     """
     cause = _first_cause(err)
-    free = _free_space(folder)
-    full = any(_is_full_disk(e) for e in _causes(err))
+    usage = _disk_usage(folder)
+    # torch.save reports a full disk only as "file write failed": the free space tells.
+    full = any(_is_full_disk(e) for e in _causes(err)) or (usage and usage.free < _NEARLY_FULL)
     head = "No space left on device: " if full else ""
+    free = (
+        f"{_size(usage.free)} free of {_size(usage.total)} there" if usage else "free space unknown"
+    )
     return OSError(
         f"{head}writing run checkpoint step_{step} into {folder} failed "
         f"({free}; {type(cause).__name__}: {_first_line(cause)}). {last_good_note(last_good)}"
@@ -140,12 +145,11 @@ def _first_line(err: BaseException) -> str:
     return lines[0][:300] if lines else ""
 
 
-def _free_space(folder: Path) -> str:
+def _disk_usage(folder: Path) -> Any:
     for where in (folder, *folder.parents):
         if where.exists():
-            usage = shutil.disk_usage(where)
-            return f"{_size(usage.free)} free of {_size(usage.total)} there"
-    return "free space unknown"
+            return shutil.disk_usage(where)
+    return None
 
 
 def _size(count: int) -> str:
