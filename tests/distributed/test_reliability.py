@@ -156,7 +156,7 @@ def test_an_entry_without_train_step_exits_2_with_one_message(tmp_path):
 def test_a_damaged_shard_is_refused_with_exit_2_naming_the_file(tmp_path, reference, damage):
     run = tmp_path / "run"
     shutil.copytree(reference[0] / "ckpt", run / "ckpt")
-    step = run / "ckpt" / "step_4"
+    step = run / "ckpt" / f"step_{STEPS}"  # the newest: an older one is refused as such
     shard = sorted((step / "model_0").glob("*.distcp"))[-1]
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
