@@ -5,6 +5,9 @@
 - zeroed and truncated shard bytes are refused with exit 2 naming the file;
 - a relaunch into a run folder changes nothing in it, and a run with a relative results_dir
   resumed from another folder continues in its own folder;
+- a full disk (a small tmpfs, mounted in a user namespace) fails the run with "No space left
+  on device", the folder, its free space and the last good step first, which stays `latest`;
+- a rank killed by SIGKILL is named as the root failure, before the peer that saw it vanish;
 - the load test: launches killed (a rank or the launcher, SIGKILL, at a random moment), each
   followed by `litegen resume`, all end with the weights of an uninterrupted run. The number
   of launches is $LITEGEN_CHAOS_RUNS (default 1; the release load test sets 20).
@@ -16,6 +19,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -151,7 +156,7 @@ def test_an_entry_without_train_step_exits_2_with_one_message(tmp_path):
 def test_a_damaged_shard_is_refused_with_exit_2_naming_the_file(tmp_path, reference, damage):
     run = tmp_path / "run"
     shutil.copytree(reference[0] / "ckpt", run / "ckpt")
-    step = run / "ckpt" / "step_4"
+    step = run / "ckpt" / f"step_{STEPS}"  # the newest: an older one is refused as such
     shard = sorted((step / "model_0").glob("*.distcp"))[-1]
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
@@ -236,3 +241,53 @@ def test_killed_runs_resume_to_the_weights_of_an_uninterrupted_run(tmp_path, ref
         assert code == 0, "\n".join([*history, out[-4000:]])
         assert_same_weights(root / "ckpt" / "tiny.pth", reference[1])
     print("\n".join(history))
+
+
+def test_a_rank_killed_by_sigkill_is_named_first_then_its_peer(tmp_path):
+    root = tmp_path / "run"
+    # A slow monitor: torchrun then gathers both failures, the peer's recorded error included.
+    config = config_of(root, kill_rank1_at_step=3)
+    recipe = write_recipe(tmp_path, config, monitor_interval=3.0)
+    code, out = finish(litegen("launch", recipe, cwd=tmp_path))
+    assert code == 1, out[-4000:]
+    lines = [" ".join(line.strip("│ ").split()) for line in out.splitlines()]
+    first = lines.index(next(line for line in lines if line.startswith("rank ")))
+    assert lines[first].startswith("rank 1: exit code -9: "), out[-4000:]
+    assert "SIGKILL" in lines[first]
+    assert lines[first + 1].startswith("then rank 0: exit code 1: "), out[-4000:]
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "true"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs user namespaces (unshare)")
+def test_a_full_disk_says_so_first_with_the_free_space_and_the_last_good_step(tmp_path):
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    root = disk / "run"
+    recipe = write_recipe(tmp_path, config_of(root, fill_disk_at_step=4))
+    # The tmpfs lives as long as the namespace: its files are copied out before it ends.
+    script = (
+        f"mount -t tmpfs -o size=16m tmpfs {disk} && {sys.executable} -m litegen_cli.app "
+        f"launch {recipe}; code=$?; rm -f {root}/ckpt/filler; cp -a {root} {kept}; exit $code"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    panel = out[out.index("Training failed") :].splitlines()
+    head = "".join("".join(line.strip("│ ").split()) for line in panel[1:4])
+    assert "rank" in panel[1] and "No space left on device" in panel[1], out[-4000:]
+    assert f"into{root / 'ckpt'}failed" in head
+    assert "freeof16.0MiBthere" in head
+    assert f"Thelastgoodcheckpointis{root / 'ckpt' / 'step_2'}" in head
+    assert (kept / "ckpt" / "latest").read_text().strip() == "step_2"
+    assert (kept / "ckpt" / "step_2" / "COMPLETE").is_file()
+    assert not (kept / "ckpt" / "step_4").exists()

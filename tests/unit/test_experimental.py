@@ -50,3 +50,17 @@ def test_prepare_opens_the_door_only_when_asked(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="master_adamw"):
         _, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters()))
     assert not hasattr(optimizer, "_litegen_master_kernel")  # stepped aside; training goes on
+
+
+def test_the_docs_table_names_each_switch_and_the_torch_it_is_tested_on():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+    rows = {}
+    for line in docs.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[1].startswith("torch "):
+            switch = cells[0].strip("`").split(":")[0].split("`")[0]
+            rows[switch] = tuple(v.strip() for v in cells[1].removeprefix("torch ").split(","))
+    assert rows == TESTED_TORCH
+    assert set(ExperimentalConfig.model_fields) == set(TESTED_TORCH)

@@ -71,8 +71,17 @@ def test_a_rank_records_one_message_and_logs_its_traceback(tmp_path, monkeypatch
 def test_the_root_failure_is_the_earliest_recorded_one():
     late, early = RankFailure(0, 1, "gloo: peer gone", 20.0), RankFailure(1, 2, "bad", 10.0)
     assert root_failure([late, early]) is early
-    unrecorded = [RankFailure(2, -9, "killed"), RankFailure(1, -15, "stopped")]
+    unrecorded = [RankFailure(2, -15, "stopped"), RankFailure(1, -15, "stopped")]
     assert root_failure(unrecorded).rank == 1
+
+
+def test_a_rank_killed_from_outside_is_the_root_not_the_peer_that_saw_it_vanish():
+    peer = RankFailure(0, 1, "RuntimeError: [gloo] Connection closed by peer", 10.0)
+    killed = RankFailure(1, -9, "killed by signal SIGKILL")
+    assert killed.signal == "SIGKILL" and peer.signal is None
+    assert root_failure([peer, killed]) is killed
+    # SIGTERM and SIGABRT may be the aftermath of another rank's failure: the recorded one wins.
+    assert root_failure([peer, RankFailure(1, -6, "killed by signal SIGABRT")]) is peer
     plain = SimpleNamespace(message={"message": "ValueError: bad"}, exitcode=1)
     assert rank_failure(1, plain) == RankFailure(1, 1, "ValueError: bad")
 

@@ -216,3 +216,27 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
         resumed = run(tmp_path, 3, resume_run=str(step))
     assert resumed["trainer"].step == 3
     assert "has no MANIFEST.json" in caplog.text and str(step) in caplog.text
+
+
+def nan_weights_at_step_1(batch, model, step):
+    loss = train_step(batch, model, step)
+    if step == 1:  # a finite loss, but the weights go bad (as an overflowing update would)
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("inf"))
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step_fn", "error"),
+    [
+        (nan_at_step_1, r"loss is not finite at step 2.*No checkpoint of this run was written"),
+        (
+            nan_weights_at_step_1,
+            r"state to save at step 2 is not finite \(ema\.weight, model\.weight\)",
+        ),
+    ],
+)
+def test_nothing_non_finite_is_committed_at_a_checkpoint_step(tmp_path, step_fn, error):
+    with pytest.raises(FloatingPointError, match=error):
+        run(tmp_path, 4, step_fn=step_fn, checkpoint_every=2, on_nan="abort")
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())

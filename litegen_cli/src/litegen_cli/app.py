@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from litegen_cli import render
-from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed, RankFailure
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
 
@@ -85,21 +85,35 @@ def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
     return recipe
 
 
-def run_launch(recipe: Recipe, *, overwrite: bool = False, continuing: bool = False) -> None:
+def run_launch(
+    recipe: Recipe,
+    *,
+    overwrite: bool = False,
+    continuing: bool | None = None,
+    move_newer_aside: bool = False,
+) -> None:
     """Own the run folder, run this node's ranks, and turn every failure into one message.
 
     The single launch path of `launch` and `resume`. ``continuing``: the run goes on from a
-    checkpoint in its folder (resume, auto_resume), so an earlier run there is expected.
+    checkpoint in its folder, so an earlier run there is expected (None: when the config
+    resumes, by resume_run or auto_resume). ``move_newer_aside``: see claim_run_folder.
     Exit codes: 2 bad input, 1 a failed run, 128+N stopped by signal N (failures.py).
     """
     from litegen_cli.run_folder import RunFolderError, claim_run_folder
 
     render.print_warnings(recipe.warnings)
     config = recipe.config
-    continuing = continuing or bool(config.auto_resume or config.trainer.resume_run)
+    if continuing is None:
+        continuing = bool(config.auto_resume or config.trainer.resume_run)
+    resumes = config.trainer.resume_run
     try:
         with claim_run_folder(
-            config, node_rank=recipe.launch.node_rank, overwrite=overwrite, continuing=continuing
+            config,
+            node_rank=recipe.launch.node_rank,
+            overwrite=overwrite,
+            continuing=continuing,
+            resumes=Path(resumes) if resumes else None,
+            move_newer_aside=move_newer_aside,
         ) as notes:
             for note in notes:
                 render.console.print(note, highlight=False, markup=False)
@@ -134,14 +148,19 @@ def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
     if err.failures:
         root, others = err.failures[0], err.failures[1:]
         lines = [f"rank {root.rank}: exit code {root.exitcode}: {root.message}"]
-        if others:
-            lines.append(f"also stopped: rank {', '.join(str(f.rank) for f in others)}")
+        lines += [f"then rank {f.rank}: exit code {f.exitcode}: {_first_line(f)}" for f in others]
         if root.log:
             lines.append(f"Tracebacks of the failed ranks: {Path(root.log).parent}/")
     if resume and err.exit_code != EXIT_BAD_INPUT:
         lines.append(resume)
     bad_input = err.exit_code == EXIT_BAD_INPUT
     render.print_error("Bad input" if bad_input else "Training failed", lines)
+
+
+def _first_line(failure: RankFailure) -> str:
+    """A failure's message cut to one short line (the root one is shown whole)."""
+    line = (failure.message.splitlines() or [""])[0]
+    return line if len(line) <= 120 else line[:117] + "..."
 
 
 @app.command()
@@ -177,17 +196,35 @@ def resume(
         ),
     ],
     overrides: OverridesArg = None,
+    branch: Annotated[
+        Path | None,
+        typer.Option(
+            "--branch",
+            help="Continue in this new run folder (results and checkpoints); the checkpoint's "
+            "own folder is left as it is.",
+            show_default=False,
+        ),
+    ] = None,
+    move_newer_aside: Annotated[
+        bool,
+        typer.Option(
+            "--move-newer-aside",
+            help="Resuming from an older step: move the newer checkpoints to "
+            "<checkpoint_dir>.old-<time>, never deleted, and continue in the run's folder.",
+        ),
+    ] = False,
 ) -> None:
     """Continue a run from a checkpoint: its saved config, plus overrides, launched as before.
 
     The run goes on exactly where it stopped (same next batch, noise and losses), in the
-    folder the checkpoint lives in; the fields the overrides change are printed first. See
-    docs/resume.md.
+    folder the checkpoint lives in (or the --branch folder); the fields the overrides change
+    are printed first. A resume from a step older than the folder's newest is refused unless
+    --branch or --move-newer-aside. See docs/resume.md.
     """
     from litegen_cli.resume import resume_recipe  # imports torch
 
     try:
-        recipe, changes = resume_recipe(checkpoint, overrides or [])
+        recipe, changes = resume_recipe(checkpoint, overrides or [], branch)
         derive_plan(recipe)
     except RecipeError as err:
         render.print_recipe_error(err)
@@ -195,7 +232,8 @@ def resume(
     render.console.print(f"Resuming from {recipe.config.trainer.resume_run}")
     for line in changes or ["(none)"]:
         render.console.print(f"  changed: {line}", highlight=False, markup=False)
-    run_launch(recipe, continuing=True)
+    # A branch starts a new run folder: it must not hold another run.
+    run_launch(recipe, continuing=branch is None, move_newer_aside=move_newer_aside)
 
 
 @app.command("inspect-config")

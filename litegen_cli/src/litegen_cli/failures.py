@@ -9,8 +9,9 @@ file, and exits with that code:
 - 130: Ctrl-C (torchrun passes SIGINT on to the ranks); nothing is recorded;
 - 1: anything else; the run failed.
 
-The launcher then shows one failure, the root one (the earliest recorded, then the lowest
-rank), and exits with its code.
+The launcher then shows the root failure first (a rank killed from outside, else the earliest
+recorded, then the lowest rank: :func:`root_failure`), then the others, and exits with the root
+one's code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -30,6 +32,9 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 BAD_INPUT = (ValueError, TypeError, FileNotFoundError)
 LOG_FOLDER = "logs"
+# Deaths that no other rank's failure causes (SIGTERM and SIGABRT may follow a stop or a failed
+# collective): a rank killed so is the root failure (root_failure).
+UNPROVOKED_SIGNALS = {"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"}
 # Where LiteGen's own code lives (found without importing litegen, which imports torch).
 _OUR_CODE = tuple(
     Path(folder)
@@ -115,6 +120,20 @@ class RankFailure:
     time: float = 0.0  # when the rank recorded its error; 0 when it recorded none
     log: str | None = None
 
+    @property
+    def signal(self) -> str | None:
+        """The signal that killed the rank (``"SIGKILL"``), or None when it exited.
+
+        >>> RankFailure(1, -9, "").signal
+        'SIGKILL'
+        """
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
 
 def rank_failure(rank: int, failure: Any) -> RankFailure:
     """A :class:`RankFailure` from one of torchrun's ``ProcessFailure`` objects."""
@@ -136,11 +155,23 @@ def rank_failure(rank: int, failure: Any) -> RankFailure:
 
 
 def root_failure(failures: list[RankFailure]) -> RankFailure:
-    """The failure that caused the others: the earliest recorded one, then the lowest rank.
+    """The failure that caused the others, as torchrun's root-cause record would be if it knew
+    when an unrecorded death happened.
+
+    First a rank killed from outside (SIGKILL, or a crash of its own such as SIGSEGV) without
+    recording an error: no other rank's failure kills it, while the ranks left blocked in a
+    collective with it fail next and record that. torchrun stops the remaining ranks only
+    after it gathered the failures, so its own SIGTERM is not among them. Then the earliest
+    recorded failure, then the lowest rank.
 
     >>> root_failure([RankFailure(0, -15, "killed"), RankFailure(1, 2, "ValueError", 5.0)]).rank
     1
+    >>> root_failure([RankFailure(0, 1, "RuntimeError: peer gone", 5.0), RankFailure(1, -9, "")]).rank
+    1
     """
+    killed = [f for f in failures if not f.time and f.signal in UNPROVOKED_SIGNALS]
+    if killed:
+        return min(killed, key=lambda f: f.rank)
     recorded = [f for f in failures if f.time] or failures
     return min(recorded, key=lambda f: (f.time, f.rank))
 

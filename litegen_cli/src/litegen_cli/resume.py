@@ -17,12 +17,33 @@ import yaml
 from litegen_cli.recipe import Recipe, RecipeError, recipe_from_data
 
 _IGNORED = {"launch.recipe_dir"}  # bookkeeping that `litegen` fills in, not a user choice
+# Fields a resume cannot change without breaking the run it continues, and why. Every other
+# field is read by the run as it goes or when it builds its parts, so its new value applies
+# (a model that no longer fits the checkpoint is refused by the ranks as they load it).
+FIXED_AT_RESUME = {
+    "global_batch_size": "the step is the data position (step x global_batch_size): another "
+    "size would skip or repeat samples",
+    "global_seed": "the current epoch's sample order depends on it, and the RNG states come "
+    "from the checkpoint",
+    "init_from": "the weights come from the run checkpoint",
+    "resume_from": "the run checkpoint given with --from takes its place",
+    "trainer.resume_run": "give the checkpoint with --from",
+}
+# Fields the checkpoint also holds a value of, and how the new one reaches the restored state.
+APPLIED_TO_RESTORED = {
+    "lr": "applied: the restored optimizer's and LR schedulers' rates are scaled by new/old",
+    "weight_decay": "applied to the restored optimizer's param groups that had the old value",
+}
 
 
-def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[str]]:
+def resume_recipe(
+    checkpoint: Path, overrides: list[str], branch: Path | None = None
+) -> tuple[Recipe, list[str]]:
     """The recipe that continues the run in ``checkpoint``, and the fields that changed.
 
     ``checkpoint`` is a ``step_<N>`` folder or a checkpoint_dir (its latest complete step).
+    ``branch``: the run continues in that new folder (results and checkpoints) instead of the
+    checkpoint's own.
     Raises RecipeError, naming the path and the problem, for a missing, partial or corrupt
     checkpoint; nothing is written.
 
@@ -52,10 +73,13 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
             hint="Repair launch.yaml, or move it aside and give the entry module and ranks as "
             "overrides (launch.entry=path/to/entry.py launch.nproc_per_node=N).",
         ) from None
-    before = {"launch": launch, **saved}
-    data = {**before, "resume_from": None}  # the run checkpoint replaces the spec's resume_from
+    # The run checkpoint replaces the spec's resume_from.
+    data = {"launch": launch, **saved, "resume_from": None}
     data["trainer"] = {**(saved.get("trainer") or {}), "resume_run": str(step_dir)}
-    data.update(_folders_of(step_dir, saved))
+    if branch is None:
+        data.update(_folders_of(step_dir, saved))
+    else:
+        data.update(results_dir=str(branch.absolute()), checkpoint_dir=None)
     path = step_dir / "config.yaml"
     try:
         recipe = recipe_from_data(data, path, overrides)
@@ -68,16 +92,36 @@ def resume_recipe(checkpoint: Path, overrides: list[str]) -> tuple[Recipe, list[
         raise RecipeError(err.problems, title=err.title, hint=err.hint) from None
     # The saved run with defaults filled in, to compare the overrides (and a moved folder) with.
     saved_folders = {key: saved.get(key) for key in ("results_dir", "checkpoint_dir")}
+    # launch.entry may come from the overrides alone (a checkpoint without launch.yaml).
+    launch_only = [item for item in overrides if item.startswith("launch.")]
     try:
-        base = recipe_from_data({**data, **saved_folders}, path, []).resolved_dict()
-    except RecipeError:  # e.g. launch.entry only comes from the overrides
-        base = before
+        base = recipe_from_data({**data, **saved_folders}, path, launch_only).resolved_dict()
+    except RecipeError:
+        base = {**data, **saved_folders}
+    changes = changed_fields(base, recipe.resolved_dict())
+    fixed = [
+        f"{line}: cannot change at resume: {FIXED_AT_RESUME[line.split(':')[0]]}"
+        for line in changes
+        if line.split(":")[0] in FIXED_AT_RESUME
+    ]
+    if fixed:
+        raise RecipeError(
+            fixed,
+            title="Cannot resume:",
+            hint="Drop those overrides, or start a new run with `litegen launch`.",
+        )
     if not (step_dir / MANIFEST).is_file():
         recipe.warnings.append(
             f"run checkpoint {step_dir} has no {MANIFEST} (written by an older LiteGen): its "
             "files are loaded without being verified"
         )
-    return recipe, changed_fields(base, recipe.resolved_dict())
+    return recipe, [_with_note(line) for line in changes]
+
+
+def _with_note(change: str) -> str:
+    """A change line with how it takes effect, for the fields the checkpoint holds too."""
+    note = APPLIED_TO_RESTORED.get(change.split(":")[0])
+    return f"{change} ({note})" if note else change
 
 
 def _folders_of(step_dir: Path, saved: dict[str, Any]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -92,13 +93,21 @@ def earlier_run(config: Any) -> list[str]:
 
 @contextmanager
 def claim_run_folder(
-    config: Any, *, node_rank: int = 0, overwrite: bool = False, continuing: bool = False
+    config: Any,
+    *,
+    node_rank: int = 0,
+    overwrite: bool = False,
+    continuing: bool = False,
+    resumes: Path | None = None,
+    move_newer_aside: bool = False,
 ) -> Iterator[list[str]]:
     """Own the run's folders while the block runs; yields lines to show (a run moved aside).
 
     ``continuing``: the run goes on from a checkpoint in these folders (``resume``,
-    ``auto_resume``), so an earlier run there is expected. Raises :class:`RunFolderError`
-    before anything is written when the folders are in use or hold another run.
+    ``auto_resume``), so an earlier run there is expected. ``resumes``: the ``step_<N>`` folder
+    the run continues from; checkpoints past it in the run's checkpoint_dir are refused (the run
+    would replace them) unless ``move_newer_aside``. Raises :class:`RunFolderError` before
+    anything is written when the folders are in use or hold another run.
 
     Example:
         >>> with claim_run_folder(recipe.config, overwrite=True) as notes:  # doctest: +SKIP
@@ -126,6 +135,8 @@ def claim_run_folder(
         found = [] if continuing else earlier_run(config)
         if found:  # another run started and ended between the check and the lock
             raise _holds_a_run(config, folders, found)
+        if resumes is not None:
+            notes += _keep_newer_steps(config, resumes, move_newer_aside)
         yield notes
 
 
@@ -135,16 +146,56 @@ def move_aside(folder: Path) -> Path:
     >>> move_aside(Path("results/dit"))  # doctest: +SKIP
     PosixPath('results/dit.old-20250101-120000')
     """
+    target = _aside_name(folder)
+    with RunLock(folder) as lock:  # no live run may write there while it moves
+        os.rename(folder, target)
+        lock.moved_to(target)
+    return target
+
+
+def _aside_name(folder: Path) -> Path:
+    """``<folder>.old-<date>-<time>``, numbered when taken."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = folder.with_name(f"{folder.name}.old-{stamp}")
     n = 1
     while target.exists():
         n += 1
         target = folder.with_name(f"{folder.name}.old-{stamp}-{n}")
-    with RunLock(folder) as lock:  # no live run may write there while it moves
-        os.rename(folder, target)
-        lock.moved_to(target)
     return target
+
+
+def _keep_newer_steps(config: Any, resumes: Path, move: bool) -> list[str]:
+    """Refuse a resume that would replace newer checkpoints, or move them (and the final weights
+    and a copy of metrics.jsonl, whose later records the resumed run drops) aside."""
+    from litegen.checkpoint.step_dirs import newer_checkpoints, step_of  # resume imports torch
+
+    checkpoints = Path(config.get_checkpoint_dir()).absolute()
+    step = step_of(resumes)
+    newer = newer_checkpoints(checkpoints, step) if step is not None else []
+    names = ", ".join(path.name for path in newer)
+    if newer and not move:
+        raise RunFolderError(
+            "Newer checkpoints would be replaced",
+            [
+                f"{checkpoints} holds checkpoints newer than {resumes.name}: {names}.",
+                "Continuing from an older step there would replace them. Either",
+                f"  branch into a new folder:   litegen resume --from {resumes} "
+                "--branch <new folder>",
+                "  or move the newer aside:    add --move-newer-aside (they move to "
+                f"{checkpoints.name}.old-<time>/ beside it, nothing is deleted)",
+            ],
+        )
+    if not newer:
+        return []
+    aside = _aside_name(checkpoints)
+    aside.mkdir()
+    weights = checkpoints.glob(f"{glob.escape(config.exp_name)}*.pth")
+    for path in [*newer, *weights]:
+        os.rename(path, aside / path.name)
+    metrics = Path(config.get_results_dir()).absolute() / "metrics.jsonl"
+    if metrics.is_file():
+        shutil.copy2(metrics, aside / metrics.name)
+    return [f"Moved {names} (newer than {resumes.name}) aside to {aside}."]
 
 
 def _in_use(folder: Path, holder: LockHolder) -> RunFolderError:

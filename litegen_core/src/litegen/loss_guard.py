@@ -10,6 +10,7 @@ all-reduced; a single rank has nothing to reduce.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,9 @@ class LossGuard:
         >>> guard.raise_if_nonfinite()      # raises FloatingPointError naming step 7
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, note: Callable[[], str] | None = None) -> None:
+        """``note``: called at an abort, its text ends the error (e.g. the last good checkpoint)."""
+        self._note = note
         self._pending = Readback(device)
         # One rank reads its loss itself; several read the all-reduced flag.
         self._reduce = _several_ranks()
@@ -60,7 +63,8 @@ class LossGuard:
     def _check(self, wait: bool) -> None:
         for step, (value,), _ in self._pending.ready(wait=wait):
             if (value != 0) if self._reduce else not math.isfinite(value):
+                note = f" {self._note()}" if self._note is not None else ""
                 raise FloatingPointError(
                     f"the loss is not finite at step {step} on at least one rank; training "
-                    "stopped (set trainer.on_nan: skip to skip such steps)."
+                    f"stopped (set trainer.on_nan: skip to skip such steps).{note}"
                 )

@@ -22,10 +22,10 @@ against the manifest first (sizes, then digests, each rank hashing a share of th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import shutil
-import threading
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
@@ -49,7 +49,9 @@ from litegen.checkpoint.manifest import (
     summarize,
     write_manifest,
 )
+from litegen.checkpoint.publisher import Publisher, default_store
 from litegen.checkpoint.rng import capture_rng, restore_rng
+from litegen.checkpoint.save_checks import check_finite, write_failure
 from litegen.checkpoint.step_dirs import (
     COMPLETE,
     LATEST,
@@ -146,7 +148,9 @@ class RunCheckpointer:
         self.async_save = async_save
         self._pending: tuple[list[Any], Path, int] | None = None
         self._sealed = False  # files written everywhere; rank 0 may still be publishing them
-        self._publisher: _Publisher | None = None  # rank 0's background publication
+        self._publisher: Publisher | None = None  # rank 0's background publication
+        self._last_sealed: int | None = None  # the last step every rank wrote, in this process
+        self._published_key = ""  # set in the store once rank 0 has published the last save
         self._group = None
         if async_save:
             # The background writer runs collectives while the loop runs its own; a separate
@@ -158,9 +162,32 @@ class RunCheckpointer:
 
         ``rank_state`` is this rank's trainer state; ``extra_files`` (name -> text) are written
         by rank 0. A synchronous save returns once every rank's files are written; the manifest,
-        the marker and ``latest`` follow in rank 0's background thread.
+        the marker and ``latest`` follow in rank 0's background thread. A state that is not
+        finite raises FloatingPointError before anything is written; a failed write (a full
+        disk) an OSError that names the folder, its free space and :meth:`last_good`.
         """
         self.wait()  # the previous asynchronous save must be complete before the next starts
+        targets = self.trainables()
+        states = [target.dcp_state() for target in targets]
+        check_finite(states, step, self.last_good())  # before a byte is written
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self._write(step, rank_state, extra_files, states)
+        # DCP gathers every rank's write error into a CheckpointException, a BaseException.
+        except (Exception, CheckpointException) as err:
+            raise write_failure(err, self.root, step, self.last_good()) from err
+        if not self.async_save:
+            self._seal()
+
+    def _write(
+        self,
+        step: int,
+        rank_state: dict[str, Any],
+        extra_files: Mapping[str, str],
+        states: list[dict[str, Any]],
+    ) -> None:
+        """Write every file of ``step_<step>`` into a temporary folder (see :meth:`save`)."""
         rank = dist.get_rank()
         name = [None]
         if rank == 0:
@@ -175,10 +202,9 @@ class RunCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         futures = []
-        for i, target in enumerate(self.trainables()):
+        for i, state in enumerate(states):
             # Plain DCP writes: tmp is already the temporary folder wait() renames into place.
             model_dir = str(tmp / f"model_{i}")
-            state = target.dcp_state()
             if self.async_save:
                 # async_save copies the state to CPU memory before returning, so the loop may
                 # change the weights while the copy is written.
@@ -188,26 +214,58 @@ class RunCheckpointer:
             else:
                 dcp.save(state, checkpoint_id=model_dir)
         self._pending = (futures, tmp, step)
-        if not self.async_save:
-            self._seal()
 
     def _seal(self) -> None:
         """Once every rank's files are written, rank 0 publishes them in a background thread:
         manifest (hashing every file), marker, rename into place, ``latest``, retention."""
         futures, tmp, step = self._pending
         self._pending = None
-        for future in futures:
-            future.result()
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            for future in futures:
+                future.result()
+        except (Exception, CheckpointException) as err:
+            raise write_failure(err, self.root, step, self.last_good()) from err
         dist.barrier()  # every rank's files are written before rank 0 hashes and publishes them
         self._sealed = True
+        self._last_sealed = step
+        self._published_key = f"litegen/published/{tmp.name}"
         if dist.get_rank() == 0:
-            self._publisher = _Publisher(self._publish_step, tmp, step)
+            self._publisher = Publisher(self._publish_step, tmp, step)
 
     def _publish_step(self, tmp: Path, step: int) -> None:
-        final = self.root / step_dir_name(step)
-        _publish(tmp, final)
-        atomic_write_text(self.root / LATEST, final.name + "\n")
-        self._prune(keep=final)
+        try:
+            final = self.root / step_dir_name(step)
+            _publish(tmp, final)
+            atomic_write_text(self.root / LATEST, final.name + "\n")
+            self._prune(keep=final)
+        finally:  # published or failed: ranks waiting in finish_after_failure may go
+            store = default_store()
+            if store is not None:
+                store.set(self._published_key, "done")
+
+    def finish_after_failure(self, timeout_s: float = 120.0) -> None:
+        """After a failure, before the process exits: let the last save that every rank wrote
+        finish publishing, so that the last good checkpoint an error names is complete.
+
+        Rank 0 joins its publishing thread; the other ranks wait (at most ``timeout_s``) for
+        it through the process group's store, not a collective, which ranks that failed at
+        different points could mismatch (and torchrun stops rank 0 once another rank exits).
+        """
+        if not self._sealed:
+            return
+        if dist.get_rank() == 0:
+            publisher, self._publisher = self._publisher, None
+            if publisher is not None:
+                publisher.join()
+            return
+        store = default_store()
+        if store is not None:
+            from datetime import timedelta
+
+            with contextlib.suppress(Exception):  # a timeout: rank 0 died meanwhile
+                store.wait([self._published_key], timedelta(seconds=timeout_s))
 
     def wait(self) -> None:
         """Finish the last save: once this returns on any rank, it is complete and ``latest``."""
@@ -220,7 +278,18 @@ class RunCheckpointer:
         error = publisher.join() if publisher is not None else None
         dist.barrier()  # rank 0 has published (or failed to)
         if error is not None:
-            raise error
+            # Not published: the last good one is the one `latest` still names.
+            failed, self._last_sealed = self._last_sealed, None
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                raise error
+            raise write_failure(error, self.root, failed, self.last_good()) from error
+
+    def last_good(self) -> Path | None:
+        """The newest checkpoint known good: the last one this process wrote (complete once
+        rank 0 has published it), else the complete one ``latest`` names."""
+        if self._last_sealed is not None:
+            return self.root / step_dir_name(self._last_sealed)
+        return find_latest(self.root)
 
     def _remove_leftovers(self) -> None:
         """Temporary folders of saves that were killed midway (they were never complete)."""
@@ -337,28 +406,3 @@ def _one_line(err: BaseException) -> str:
         return f"rank {rank}: {_one_line(cause)}"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
-
-
-class _Publisher:
-    """A thread that runs ``fn(*args)`` and keeps its error for :meth:`join`.
-
-    Not a daemon: a run that ends while a checkpoint is being published finishes publishing it.
-    """
-
-    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, *args), name="litegen-checkpoint-publish"
-        )
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as err:  # re-raised in the training thread by join()
-            self.error = err
-
-    def join(self) -> BaseException | None:
-        """Wait for the thread; return its error, if any."""
-        self._thread.join()
-        return self.error

@@ -45,6 +45,24 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def step_of(step_dir: str | Path) -> int | None:
+    """The step a ``step_<N>`` folder holds (None for any other name): ``step_of("step_20")``
+    -> ``20``."""
+    match = _STEP_DIR.match(Path(step_dir).name)
+    return int(match.group(1)) if match else None
+
+
+def newer_checkpoints(root: str | Path, step: int) -> list[Path]:
+    """The complete checkpoints under ``root`` past ``step``, oldest first: what a run that
+    continues from ``step`` in ``root`` would replace.
+
+    Example:
+        >>> newer_checkpoints("results/dit", 500)  # doctest: +SKIP
+        [PosixPath('results/dit/step_1000')]
+    """
+    return [path for saved, path in list_checkpoints(root) if saved > step]
+
+
 def find_latest(root: str | Path) -> Path | None:
     """The checkpoint ``latest`` names, or the newest complete one when the pointer is unusable.
 

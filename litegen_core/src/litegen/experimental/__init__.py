@@ -147,9 +147,4 @@ class Lab:
         set_master_step_kernel(optimizer, one_pass_step)
 
 
-def enabled(settings: Any) -> bool:
-    """Whether an ``optimization.experimental`` section switches anything on."""
-    return any(getattr(settings, feature) for feature in TESTED_TORCH)
-
-
-__all__ = ["TESTED_TORCH", "Lab", "available", "enabled", "torch_release"]
+__all__ = ["TESTED_TORCH", "Lab", "available", "torch_release"]

@@ -19,6 +19,12 @@ import yaml
 
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.checkpoint.run_state import find_latest
+from litegen.checkpoint.step_dirs import (
+    newer_checkpoints,
+    read_config_text,
+    resolve_checkpoint,
+    step_of,
+)
 from litegen.data import data_state, load_data_state
 
 log = logging.getLogger("litegen")
@@ -54,6 +60,8 @@ class RunCheckpoints:
             >>> trainer.resume("results/dit/step_1000"); trainer.fit()
         """
         self._resume_checked = True
+        path = resolve_checkpoint(path)
+        self._refuse_to_replace_newer(path)
         state = self.checkpointer.load(path)
         if len(state["schedulers"]) != len(self.schedulers):
             raise ValueError(
@@ -62,11 +70,54 @@ class RunCheckpoints:
             )
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(scheduler_state)
+        self._apply_changed_optimizer_settings(read_config_text(path))
         self.step = int(state["step"])
         # The data position (litegen/data/state.py); older checkpoints hold none.
         load_data_state(self.loader, state.get("data"), self.step)
         self._restore_after_iter = state
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _refuse_to_replace_newer(self, path: Path) -> None:
+        """A run continued from an older step would overwrite the newer steps in its folder."""
+        step = step_of(path)
+        target = Path(self.config.get_checkpoint_dir())
+        newer = newer_checkpoints(target, step) if step is not None else []
+        if newer:
+            raise ValueError(
+                f"{target} holds checkpoints newer than {path.name}, which this run continues "
+                f"from: {', '.join(p.name for p in newer)}; continuing there would replace them. "
+                "Continue in another folder (litegen resume --branch NEW_FOLDER, or "
+                "checkpoint_dir=NEW_FOLDER), or move them aside (litegen resume "
+                "--move-newer-aside)."
+            )
+
+    def _apply_changed_optimizer_settings(self, saved: dict[str, Any]) -> None:
+        """``lr`` and ``weight_decay`` changed since the checkpoint reach the restored optimizer
+        and schedulers, which otherwise keep the checkpoint's values.
+
+        Every param group's ``lr`` and ``initial_lr`` and every scheduler's ``base_lrs`` are
+        scaled by new/old, so the schedule keeps its shape (and groups their ratios) at the new
+        rate; the groups whose ``weight_decay`` was the old value take the new one.
+        """
+        old_lr, new_lr = float(saved.get("lr", self.config.lr)), self.config.lr
+        if old_lr != new_lr:
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    for key in ("lr", "initial_lr"):
+                        if key in group:
+                            group[key] = _rescaled(group[key], old_lr, new_lr)
+            for scheduler in self.schedulers:
+                scheduler.base_lrs = [_rescaled(lr, old_lr, new_lr) for lr in scheduler.base_lrs]
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+            log.info("lr changed at resume: %g -> %g (optimizer and schedulers)", old_lr, new_lr)
+        old_decay = float(saved.get("weight_decay", self.config.weight_decay))
+        new_decay = self.config.weight_decay
+        if old_decay != new_decay:
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    if group.get("weight_decay") == old_decay:
+                        group["weight_decay"] = new_decay
+            log.info("weight_decay changed at resume: %g -> %g", old_decay, new_decay)
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's part of a run checkpoint (the model side goes through DCP)."""
@@ -85,7 +136,12 @@ class RunCheckpoints:
             self.loader.generator.set_state(state["loader_generator"])
 
     def save_run_checkpoint(self) -> None:
-        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank."""
+        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank.
+
+        The deferred loss checks of the steps up to this one come first: no checkpoint of a
+        step whose loss was not finite is ever written.
+        """
+        self.loss_guard.raise_if_nonfinite()
         # Absolute paths: `litegen resume` from any folder continues in the same folders.
         files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
         if self.run_info:
@@ -98,6 +154,11 @@ class RunCheckpoints:
         self.gen.save_optimizer(step=step)
         if self.gen.ema is not None:
             self.gen.save_ema(step=step)
+
+
+def _rescaled(value: Any, old: float, new: float) -> Any:
+    """A learning rate (float or tensor) moved from the old base rate to the new one."""
+    return value * (new / old) if old else new
 
 
 __all__ = ["RunCheckpoints"]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from litegen.checkpoint.run_state import RunCheckpointer
+from litegen.checkpoint.save_checks import last_good_note
 from litegen.data import to_device
 from litegen.flops import StepThroughput
 from litegen.loggers import check_loggers
@@ -94,7 +95,10 @@ class Trainer(RunCheckpoints):
         # shared no-op takes its place.
         no_op = isinstance(gen.attention_context(), contextlib.nullcontext)
         self._attention = contextlib.nullcontext if no_op else gen.attention_context
-        self.loss_guard = LossGuard(gen.device)
+        # An abort names the last good checkpoint (the checkpointer is made just below).
+        self.loss_guard = LossGuard(
+            gen.device, note=lambda: last_good_note(self.checkpointer.last_good())
+        )
         # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
         self.checkpointer = RunCheckpointer(
@@ -258,13 +262,16 @@ class Trainer(RunCheckpoints):
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_run_checkpoint()
                 self._write_records(pending, metrics, window, losses, wait=True)
+                self.loss_guard.raise_if_nonfinite()  # the last steps' deferred checks
             except BaseException:
                 # The records queued before the failure (a non-finite loss, say) are still
-                # written, unless the device itself failed.
+                # written, unless the device itself failed; so is the last checkpoint every
+                # rank wrote (the error names it as the last good one).
                 with contextlib.suppress(Exception):
                     self._write_records(pending, metrics, window, losses, wait=True)
+                with contextlib.suppress(Exception):
+                    self.checkpointer.finish_after_failure()
                 raise
-        self.loss_guard.raise_if_nonfinite()  # the last steps' deferred checks
         self.checkpointer.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
             self.save_checkpoint(step=None)
