@@ -214,7 +214,7 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
         (["optimization.parallel.sp_size=3"], "'optimization.parallel.sp_size': 3 does not divide"),
         (
             ["optimization.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
-            "not supported with strategy 'fsdp1'",
+            "does not work with optimization.parallel.strategy ('fsdp1')",
         ),
         (
             ["optimization.parallel.cp_size=2"],
