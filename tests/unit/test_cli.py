@@ -453,7 +453,8 @@ def test_plan_numbers(tmp_path):
 
 def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
     prefix = "optimization.memory.activation_checkpoint"
-    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
+    # On a cuda device: a cpu has no memory for auto to take a fraction of (refused).
+    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto", "runtime.device=cuda"]
     plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
     assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
     plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
