@@ -220,12 +220,7 @@ class LiteGen(CheckpointAPI):
                 device=self.device,
             )
             self._warn_inert_checkpointing(model, optimization, memory)
-            if memory.memory_budget is not None and not optimization.compile.enabled:
-                raise ValueError(
-                    "optimization.memory.activation_checkpoint.policy memory_budget is carried "
-                    "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
-                    "or use policy ops (or block) without compile."
-                )
+            # policy memory_budget without compile was refused with the config (config/checks).
             if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
