@@ -414,13 +414,14 @@ def test_first_host(nodelist, host):
 # ----------------------------------------------------------------------------- help, fast start
 
 
-def test_help():
-    result = invoke("--help")
-    assert result.exit_code == 0
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help(flag):
+    result = invoke(flag)
+    assert result.exit_code == 0, result.output
     assert "launch" in result.output and "inspect-config" in result.output
-    for command in ("launch", "inspect-config"):
-        sub = invoke(command, "--help")
-        assert sub.exit_code == 0
+    for command in (["launch"], ["inspect-config"], ["cache", "build"]):
+        sub = invoke(*command, flag)
+        assert sub.exit_code == 0, sub.output
         assert "RECIPE" in sub.output and "KEY=VALUE" in sub.output
 
 
