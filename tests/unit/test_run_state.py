@@ -92,6 +92,24 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path, async_checkpoin
     assert second["lr"] == straight["lr"]  # the LR scheduler continued too
 
 
+def test_train_step_gets_the_step_number_its_loss_is_logged_under(tmp_path):
+    seen = []
+
+    def recording_step(batch, model, step):
+        seen.append(step)
+        return train_step(batch, model, step)
+
+    run(tmp_path / "a", 4, step_fn=recording_step)
+    logged = [
+        json.loads(line)["step"] for line in (tmp_path / "a" / "results" / "metrics.jsonl").open()
+    ]
+    assert seen == logged == [1, 2, 3, 4]
+    seen.clear()
+    run(tmp_path / "b", 2, step_fn=recording_step, checkpoint_every=2)
+    run(tmp_path / "b", 4, step_fn=recording_step, resume_run=str(tmp_path / "b" / "ckpt"))
+    assert seen == [1, 2, 3, 4]  # the resumed run goes on with step 3
+
+
 def test_keep_last_keeps_the_newest_and_latest_points_to_the_last(tmp_path):
     run(tmp_path, 5, checkpoint_every=1, keep_last=2)
     ckpt = tmp_path / "ckpt"
