@@ -32,6 +32,8 @@ from litegen_cli.slurm import apply_slurm_env, first_host
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENTRY = FIXTURES / "tiny_entry.py"
 runner = CliRunner()
+# The smallest entry module that keeps the contract (checked before launch: entry_check.py).
+MINIMAL_ENTRY = "def build(config):\n    return {}\n\n\ndef train_step(batch):\n    return 0\n"
 WIDE = {"COLUMNS": "250"}  # rich wraps at 80 columns otherwise
 
 
@@ -185,7 +187,7 @@ def test_missing_entry_module(tmp_path):
 
 
 def test_relative_entry_resolves_against_recipe_folder(tmp_path):
-    (tmp_path / "my_entry.py").write_text("")
+    (tmp_path / "my_entry.py").write_text(MINIMAL_ENTRY)
     recipe = load_recipe(write_recipe(tmp_path, launch={"entry": "my_entry.py"}))
     assert recipe.base_dir == tmp_path
     assert recipe.launch.recipe_dir == str(tmp_path)
@@ -314,7 +316,7 @@ def test_torchrun_args_parse_with_torch():
 
 def test_resolved_recipe_round_trips(tmp_path):
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "my_entry.py").write_text("")
+    (tmp_path / "src" / "my_entry.py").write_text(MINIMAL_ENTRY)
     recipe = load_recipe(
         write_recipe(tmp_path / "src", launch={"entry": "my_entry.py"}), ["max_steps=9"]
     )

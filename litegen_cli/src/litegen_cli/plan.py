@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from litegen_cli.recipe import Recipe, RecipeError
+from litegen_cli.recipe import Recipe, RecipeError, layout_problems
 
 AUTO_DEVICE = "auto (cuda if available, else cpu)"
 
@@ -64,28 +64,15 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     accum = int(_get(trainer, "grad_accum_steps", 1))
     gbs = int(_get(cfg, "global_batch_size", 1))
 
-    problems = []
-    if int(_get(parallel, "cp_size", 1)) > 1:
-        problems.append(
-            "field 'optimization.parallel.cp_size': ring attention is reserved and not "
-            "implemented; set it to 1 (sp_size splits long sequences over Ulysses attention)"
-        )
-    if world % sp:
-        problems.append(
-            f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
-            f"{world} (launch.nproc_per_node * launch.nnodes)"
-        )
-    if sp > 1 and strategy == "fsdp1":
-        problems.append(
-            "field 'optimization.parallel.sp_size': sequence parallelism is not supported with "
-            "strategy 'fsdp1'; use fsdp2"
-        )
+    problems = layout_problems(
+        world=world,
+        sp=sp,
+        cp=int(_get(parallel, "cp_size", 1)),
+        strategy=strategy,
+        accum=accum,
+        global_batch=gbs,
+    )
     dp = max(world // sp, 1)
-    if gbs % (dp * accum):
-        problems.append(
-            f"field 'global_batch_size': {gbs} is not divisible by data-parallel size {dp} "
-            f"* trainer.grad_accum_steps {accum} = {dp * accum}"
-        )
     problems += runtime_refusals(recipe)
     if problems:
         raise RecipeError(problems)
