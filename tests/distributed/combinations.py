@@ -127,7 +127,9 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
         ratio = "auto" if case["checkpoint"] == "auto" else 0.0
         policy = "ops" if case["checkpoint"] == "ops" else "block"
         memory["activation_checkpoint"] = {"enabled": True, "selective_ratio": ratio}
-        memory["activation_checkpoint"] |= {"policy": policy, "memory_budget_gib": 1e-4}
+        memory["activation_checkpoint"]["policy"] = policy
+        if ratio == "auto":  # a budget no block fits: the planner checkpoints every block
+            memory["activation_checkpoint"]["memory_budget_gib"] = 1e-4
     sample_every, validate_every = HOOK_EVERY[case["hooks"]]
     optimization = {
         "parallel": {"strategy": strategy, "sp_size": case["sp"]},

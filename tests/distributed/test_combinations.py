@@ -36,16 +36,17 @@ from tests.distributed.harness import run_ranks
 
 MATRIX = {s: cases_for(s) for s in TWO_RANK_STRATEGIES + FOUR_RANK_STRATEGIES}
 SAMPLE = sample_cases(MATRIX, TWO_RANK_STRATEGIES)
+ALL = [case for cases in MATRIX.values() for case in cases]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; strategies differ in the order of sums
 
 
 @functools.cache
-def results_of(strategy: str, sample: bool) -> dict:
-    """Every case of ``strategy`` (or of the CI sample) run in one group of ranks."""
-    cases = SAMPLE if sample else MATRIX[strategy]
-    world = 4 if strategy in FOUR_RANK_STRATEGIES else 2
-    timeout = 240 + 120 * len(cases)
-    return run_ranks(run_cases, world, cases, local_world_size=2, timeout_s=timeout)[0]
+def results_of(cases: tuple[str, ...]) -> dict:
+    """The results of the cases with these ids, run in one group of ranks (4 for hsdp's)."""
+    chosen = [c for c in ALL if case_id(c) in cases]
+    world = 4 if any(c["strategy"] in FOUR_RANK_STRATEGIES for c in chosen) else 2
+    timeout = 240 + 120 * len(chosen)
+    return run_ranks(run_cases, world, chosen, local_world_size=2, timeout_s=timeout)[0]
 
 
 def check(case: dict, results: dict) -> None:
@@ -74,13 +75,14 @@ def check(case: dict, results: dict) -> None:
 
 @pytest.mark.parametrize("case", SAMPLE, ids=case_id)
 def test_a_pairwise_sample_of_the_combinations(case):
-    check(case, results_of(case["strategy"], sample=True))
+    check(case, results_of(tuple(case_id(c) for c in SAMPLE)))
 
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("case", [c for cases in MATRIX.values() for c in cases], ids=case_id)
 def test_every_pairwise_combination(case):
-    check(case, results_of(case["strategy"], sample=False))
+    results = results_of(tuple(case_id(c) for c in MATRIX[case["strategy"]]))
+    check(case, results)
 
 
 def test_the_cases_meet_every_pair_of_features_under_every_strategy():
