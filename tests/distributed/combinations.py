@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +190,9 @@ def train(case: Case, results: str, strategy: str, max_steps: int = STEPS, **tra
     parts = {"model": model, "optimizer": optimizer, "loader": loader}
     trainer_ = Trainer(gen, train_step, parts, sample_fn=sample, validate_fn=validate)
     losses = trainer_.fit()
-    records = [json.loads(line) for line in (Path(results) / "metrics.jsonl").open()]
+    # Rank 0 writes the records and samples; the tests read rank 0's results.
+    metrics = Path(results) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.open()] if gen.is_main_process else []
     out = {
         "losses": losses,
         "val_losses": {r["step"]: r["val_loss"] for r in records if "val_loss" in r},
@@ -230,25 +231,20 @@ def _export_diff(gen, model, case: Case, folder: Path, batch: dict) -> float:
     return (expected - got).abs().max().item()
 
 
-def run_case(case: Case) -> dict:
-    """The case under its strategy and under ddp, and stopped at step 2 then resumed."""
-    with tempfile.TemporaryDirectory(prefix="litegen-test-") as root:
-        out = {"run": train(case, f"{root}/run", case["strategy"])}
-        if case["strategy"] != "ddp":  # on the same ranks: hsdp's 4 compare with ddp's 4
-            out["ddp"] = train(case, f"{root}/ddp", "ddp")
-        if case["resume"]:
-            first = train(case, f"{root}/resumed", case["strategy"], 2, checkpoint_every=2)
-            second = train(
-                case, f"{root}/resumed", case["strategy"], resume_run=f"{root}/resumed/ckpt"
-            )
-            out["resumed"] = {
-                "losses": first["losses"] + second["losses"],
-                "state": second["state"],
-            }
+def run_case(case: Case, root: str) -> dict:
+    """The case under its strategy and under ddp, and stopped at step 2 then resumed; ``root``
+    is a folder every rank shares (run checkpoints are written by all of them)."""
+    out = {"run": train(case, f"{root}/run", case["strategy"])}
+    if case["strategy"] != "ddp":  # on the same ranks: hsdp's 4 compare with ddp's 4
+        out["ddp"] = train(case, f"{root}/ddp", "ddp")
+    if case["resume"]:
+        first = train(case, f"{root}/resumed", case["strategy"], 2, checkpoint_every=2)
+        second = train(case, f"{root}/resumed", case["strategy"], resume_run=f"{root}/resumed/ckpt")
+        out["resumed"] = {"losses": first["losses"] + second["losses"], "state": second["state"]}
     return out
 
 
-def run_cases(cases: list[Case]) -> dict[str, Any]:
+def run_cases(cases: list[Case], root: str) -> dict[str, Any]:
     """Each case's results, or the error it raised (so one failing case fails one test).
 
     Compile uses the ``aot_eager`` backend: inductor would build C++ kernels for minutes on a
@@ -266,7 +262,7 @@ def run_cases(cases: list[Case]) -> dict[str, Any]:
     for case in cases:
         torch._dynamo.reset()
         try:
-            results[case_id(case)] = run_case(case)
+            results[case_id(case)] = run_case(case, f"{root}/{case_id(case)}")
         except Exception as err:
             results[case_id(case)] = f"{type(err).__name__}: {err}"
     return results

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import tempfile
 
 import pytest
 import torch
@@ -46,7 +47,8 @@ def results_of(cases: tuple[str, ...]) -> dict:
     chosen = [c for c in ALL if case_id(c) in cases]
     world = 4 if any(c["strategy"] in FOUR_RANK_STRATEGIES for c in chosen) else 2
     timeout = 240 + 120 * len(chosen)
-    return run_ranks(run_cases, world, chosen, local_world_size=2, timeout_s=timeout)[0]
+    with tempfile.TemporaryDirectory(prefix="litegen-test-") as root:
+        return run_ranks(run_cases, world, chosen, root, local_world_size=2, timeout_s=timeout)[0]
 
 
 def check(case: dict, results: dict) -> None:
