@@ -206,29 +206,36 @@ def train(case: Case, results: str, strategy: str, max_steps: int = STEPS, **tra
 
 
 def _export_diff(gen, model, case: Case, folder: Path, batch: dict) -> float:
-    """The largest difference between the trained model's prediction and that of the export
-    reloaded in plain diffusers (rank 0; the other ranks return 0)."""
+    """The largest difference between the trained model's prediction and those of the exports
+    reloaded in plain diffusers and peft (rank 0; the other ranks return 0): a diffusers folder,
+    or LoRA adapters as diffusers' file (models with ``load_lora_adapter``) and a peft folder."""
+    from peft import PeftModel
+
     from litegen.lora import apply_lora
 
     spec = REAL_MODELS[case["model"]]
     state = full_weights(gen, model)
     if case["lora"]:
-        path = gen.save_model(output_folder=str(folder), filename="adapter.lora.safetensors")
+        adapter = gen.save_model(output_folder=str(folder), filename="adapter.lora.safetensors")
+        peft_folder = gen.save_lora_peft(folder / "adapter.peft")
     else:
-        path = gen.save_diffusers(folder / "diffusers", ema=False)
+        exported = gen.save_diffusers(folder / "diffusers", ema=False)
     if not gen.is_main_process:
         return 0.0
-    trained = spec.build("tiny")
+    trained = spec.build("tiny")  # seed 0: the base weights the run started from
+    loaded = []
     if case["lora"]:
         trained = apply_lora(trained, gen.config.optimization.lora)
-        loaded = spec.build("tiny")  # the same base weights (seed 0): LoRA never changes them
-        loaded.load_lora_adapter(str(path), prefix="transformer")
+        if hasattr(spec.model_class(), "load_lora_adapter"):
+            loaded.append(spec.build("tiny"))
+            loaded[-1].load_lora_adapter(str(adapter), prefix="transformer")
+        loaded.append(PeftModel.from_pretrained(spec.build("tiny"), str(peft_folder)).base_model)
     else:
-        loaded = spec.model_class().from_pretrained(str(path))
+        loaded.append(spec.model_class().from_pretrained(str(exported)))
     trained.load_state_dict(state)
     with torch.no_grad():
-        expected, got = spec.predict(trained.eval(), batch), spec.predict(loaded.eval(), batch)
-    return (expected - got).abs().max().item()
+        expected = spec.predict(trained.eval(), batch)
+        return max((spec.predict(m.eval(), batch) - expected).abs().max().item() for m in loaded)
 
 
 def run_case(case: Case, root: str) -> dict:
