@@ -58,9 +58,10 @@ def sample_after_validate(strategy: str) -> list[tuple[int, float]]:
     return {"seen": seen, "after": after, "ema_keys": len(ema)}
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "zero1", "zero2", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "fsdp1", "zero1", "zero2", "ddp"])
 def test_sampling_from_the_ema_right_after_validation(strategy):
-    ranks = run_ranks(sample_after_validate, 2, strategy)
+    world = 4 if strategy == "hsdp" else 2  # hsdp: 2 simulated nodes of 2 ranks
+    ranks = run_ranks(sample_after_validate, world, strategy, local_world_size=2)
     assert [step for step, _ in ranks[0]["seen"]] == [2]
     assert ranks[0]["seen"][0][1] != ranks[0]["after"]  # the EMA weights, not the model's
 

@@ -73,6 +73,7 @@ class LiteGen(CheckpointAPI):
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
         self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
+        self._warned_inert = False  # activation checkpointing of no block, said once
         # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
         lora = config.optimization.lora
         self.lora_prefix = lora.prefix if lora is not None else "transformer"
@@ -218,12 +219,8 @@ class LiteGen(CheckpointAPI):
                 candidates=strategy.checkpoint_candidates(model),
                 device=self.device,
             )
-            if memory.memory_budget is not None and not optimization.compile.enabled:
-                raise ValueError(
-                    "optimization.memory.activation_checkpoint.policy memory_budget is carried "
-                    "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
-                    "or use policy ops (or block) without compile."
-                )
+            self._warn_inert_checkpointing(model, optimization, memory)
+            # policy memory_budget without compile was refused with the config (config/checks).
             if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
@@ -243,6 +240,21 @@ class LiteGen(CheckpointAPI):
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _warn_inert_checkpointing(self, model: nn.Module, optimization, memory) -> None:
+        """Once per job, on rank 0: checkpointing is on and checkpoints no block (the config's
+        own warning said so when it loaded; this names the model and its block count)."""
+        inert = optimization.memory.activation_checkpoint.checkpoints_nothing()
+        if inert is None or not memory.candidates or self._warned_inert:
+            return
+        self._warned_inert = True
+        if self.is_main_process:
+            log.warning(
+                "%s: activation checkpointing of 0 of %d blocks. %s",
+                type(model).__name__,
+                len(memory.candidates),
+                inert,
+            )
 
     def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
         """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.
