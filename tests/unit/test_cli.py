@@ -216,7 +216,7 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
         (["optimization.parallel.sp_size=3"], "'optimization.parallel.sp_size': 3 does not divide"),
         (
             ["optimization.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
-            "not supported with strategy 'fsdp1'",
+            "fsdp1 has no sequence-parallel",
         ),
         (
             ["optimization.parallel.cp_size=2"],
@@ -457,7 +457,33 @@ def test_plan_numbers(tmp_path):
 def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
     prefix = "optimization.memory.activation_checkpoint"
     overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    plan = derive_plan(load_recipe(write_recipe(tmp_path, runtime={}), overrides, env={}))
     assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
+    budget = [*overrides, f"{prefix}.memory_budget_gib=2"]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), budget, env={}))
+    assert plan.memory == "checkpointing auto within 2.0 GiB: chosen on the first step"
     plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
     assert plan.memory == "off"
+
+
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        ([], "checkpointing no block (selective_ratio 1.0; lower it to checkpoint), policy block"),
+        (["selective_ratio=0.0"], "checkpointing every block (selective_ratio 0.0)"),
+        (
+            ["selective_ratio=0.25"],
+            "75% of the model's blocks (selective_ratio 0.25: 9 of 12, 21 of 28)",
+        ),
+        (
+            ["selective_ratio=0.5", "target_paths=[a,b,c]"],
+            "checkpointing 1 of the 3 target_paths blocks",
+        ),
+    ],
+)
+def test_the_plan_shows_how_many_blocks_are_checkpointed(tmp_path, fields, shown):
+    prefix = "optimization.memory.activation_checkpoint"
+    overrides = [f"{prefix}.enabled=true", *(f"{prefix}.{f}" for f in fields)]
+    result = invoke("inspect-config", write_recipe(tmp_path), *overrides)
+    assert result.exit_code == 0, result.output
+    assert shown in " ".join(result.output.replace("│", " ").split())

@@ -68,7 +68,6 @@ def derive_plan(recipe: Recipe) -> RunPlan:
         world=world,
         sp=sp,
         cp=int(_get(parallel, "cp_size", 1)),
-        strategy=strategy,
         accum=accum,
         global_batch=gbs,
     )
@@ -108,12 +107,25 @@ def _memory(memory: Any) -> str:
             )
             parts.append(f"checkpointing auto within {within}: chosen on the first step")
         else:
-            parts.append(
-                f"checkpointing selective_ratio {ratio}, policy {_get(ac, 'policy', 'block')}"
-            )
+            parts.append(f"checkpointing {_checkpointed(ac)}, policy {_get(ac, 'policy', 'block')}")
     if _get(memory, "activation_offload", False):
         parts.append("activation offload")
     return "; ".join(parts) or "off"
+
+
+def _checkpointed(ac: Any) -> str:
+    """How many blocks a numeric ``selective_ratio`` checkpoints, as far as the recipe tells:
+    the block count belongs to the model, so it is a count only with ``target_paths``."""
+    ratio = float(_get(ac, "selective_ratio", 1.0))
+    targets = _get(ac, "target_paths", None)
+    if targets:
+        return f"{ac.checkpointed_blocks(len(targets))} of the {len(targets)} target_paths blocks"
+    if ratio >= 1.0:
+        return "no block (selective_ratio 1.0; lower it to checkpoint)"
+    if ratio <= 0.0:
+        return "every block (selective_ratio 0.0)"
+    example = ", ".join(f"{ac.checkpointed_blocks(n)} of {n}" for n in (12, 28))
+    return f"{1 - ratio:.0%} of the model's blocks (selective_ratio {ratio}: {example})"
 
 
 def runtime_refusals(recipe: Recipe) -> list[str]:

@@ -183,12 +183,10 @@ def _config_problems(exc: ValueError) -> list[str]:
     return lines or [str(exc)]
 
 
-def layout_problems(
-    *, world: int, sp: int, cp: int, strategy: str, accum: int, global_batch: int
-) -> list[str]:
+def layout_problems(*, world: int, sp: int, cp: int, accum: int, global_batch: int) -> list[str]:
     """The rank layout and batch arithmetic's problems, one line each.
 
-    >>> layout_problems(world=2, sp=1, cp=1, strategy="ddp", accum=1, global_batch=3)
+    >>> layout_problems(world=2, sp=1, cp=1, accum=1, global_batch=3)
     ["field 'global_batch_size': 3 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 1 = 2"]
     """
     problems = []
@@ -201,11 +199,6 @@ def layout_problems(
         problems.append(
             f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
             f"{world} (launch.nproc_per_node * launch.nnodes)"
-        )
-    if sp > 1 and strategy == "fsdp1":
-        problems.append(
-            "field 'optimization.parallel.sp_size': sequence parallelism is not supported with "
-            "strategy 'fsdp1'; use fsdp2"
         )
     dp = max(world // sp, 1)
     if global_batch % (dp * accum):
@@ -237,8 +230,7 @@ def _raw_layout_problems(data: dict[str, Any], launch: dict[str, Any]) -> list[s
     if not all(type(v) is int and v >= 1 for v in numbers.values()):
         return []
     numbers["world"] = numbers.pop("nproc") * numbers.pop("nnodes")
-    strategy = read(data, "optimization.parallel.strategy", "ddp")
-    return layout_problems(strategy=str(strategy), **numbers)
+    return layout_problems(**numbers)
 
 
 def read_recipe_file(path: Path) -> dict[str, Any]:
