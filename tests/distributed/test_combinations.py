@@ -39,6 +39,26 @@ from tests.distributed.harness import run_ranks
 MATRIX = {s: cases_for(s) for s in TWO_RANK_STRATEGIES + FOUR_RANK_STRATEGIES}
 SAMPLE = sample_cases(MATRIX, ("fsdp2", "zero2", "fsdp1"))
 ALL = [case for cases in MATRIX.values() for case in cases]
+# Combinations that fail today, each with its cause: strict, so a fix turns them into passes.
+KNOWN_FAILURES = [
+    (
+        lambda c: c["strategy"] == "fsdp1" and c["model"] == "wan" and c["resume"],
+        "fsdp1 cannot load its own run checkpoint of WanTransformer3DModel (rank 1: 'Missing key "
+        "in checkpoint state_dict: optimizer.param_groups'); DiT, Flux, LTX and SD3 resume",
+    ),
+]
+
+
+def params(cases: list[dict]) -> list:
+    """The cases as pytest parameters, the known failures marked xfail(strict=True)."""
+    out = []
+    for case in cases:
+        reasons = [reason for applies, reason in KNOWN_FAILURES if applies(case)]
+        marks = [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
+        out.append(pytest.param(case, marks=marks, id=case_id(case)))
+    return out
+
+
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; strategies differ in the order of sums
 
 
@@ -76,13 +96,13 @@ def check(case: dict, results: dict) -> None:
         assert run["export_diff"] <= 1e-5, run["export_diff"]
 
 
-@pytest.mark.parametrize("case", SAMPLE, ids=case_id)
+@pytest.mark.parametrize("case", params(SAMPLE))
 def test_a_pairwise_sample_of_the_combinations(case):
     check(case, results_of(tuple(case_id(c) for c in SAMPLE)))
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("case", [c for cases in MATRIX.values() for c in cases], ids=case_id)
+@pytest.mark.parametrize("case", params(ALL))
 def test_every_pairwise_combination(case):
     results = results_of(tuple(case_id(c) for c in MATRIX[case["strategy"]]))
     check(case, results)
