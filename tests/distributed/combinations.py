@@ -148,7 +148,9 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
             "runtime": {"device": "cpu"},
             "results_dir": results,
             "checkpoint_dir": f"{results}/ckpt",
-            "global_batch_size": GLOBAL_BATCH,
+            # hsdp's 4 ranks need 8 samples a step to accumulate 2 micro-batches.
+            "global_batch_size": GLOBAL_BATCH
+            * (2 if case["strategy"] in FOUR_RANK_STRATEGIES else 1),
             "max_steps": max_steps,
             "ema": {"enable": case["ema"], "decay": 0.9},
             "optimization": optimization,
