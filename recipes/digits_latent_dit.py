@@ -249,7 +249,9 @@ def build(config):
 def train_step(batch, model, latents, config, step):
     """Rectified-flow loss on the cached latents of one micro-batch, labels dropped for guidance."""
     indices, labels = batch
-    return flow_loss(model, latents.lookup(indices, step).to(labels.device), labels, config)
+    # The trainer counts steps from 1; the cache's epochs are counted from step index 0.
+    cached = latents.lookup(indices, step - 1).to(labels.device)
+    return flow_loss(model, cached, labels, config)
 
 
 @torch.no_grad()

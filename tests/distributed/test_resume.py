@@ -222,7 +222,7 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_the_run_finishes(tmp_path, 
     root = tmp_path / "run"
     data = {
         "launch": {"entry": str(FIXTURE), "nproc_per_node": 2, "max_restarts": 1},
-        **entry_config(root, kill_rank1_at_step=3),
+        **entry_config(root, kill_rank1_at_step=4),
     }
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))

@@ -32,6 +32,8 @@ from litegen_cli.slurm import apply_slurm_env, first_host
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENTRY = FIXTURES / "tiny_entry.py"
 runner = CliRunner()
+# The smallest entry module that keeps the contract (checked before launch: entry_check.py).
+MINIMAL_ENTRY = "def build(config):\n    return {}\n\n\ndef train_step(batch):\n    return 0\n"
 WIDE = {"COLUMNS": "250"}  # rich wraps at 80 columns otherwise
 
 
@@ -185,7 +187,7 @@ def test_missing_entry_module(tmp_path):
 
 
 def test_relative_entry_resolves_against_recipe_folder(tmp_path):
-    (tmp_path / "my_entry.py").write_text("")
+    (tmp_path / "my_entry.py").write_text(MINIMAL_ENTRY)
     recipe = load_recipe(write_recipe(tmp_path, launch={"entry": "my_entry.py"}))
     assert recipe.base_dir == tmp_path
     assert recipe.launch.recipe_dir == str(tmp_path)
@@ -214,7 +216,7 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
         (["optimization.parallel.sp_size=3"], "'optimization.parallel.sp_size': 3 does not divide"),
         (
             ["optimization.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
-            "does not work with optimization.parallel.strategy ('fsdp1')",
+            "fsdp1 has no sequence-parallel",
         ),
         (
             ["optimization.parallel.cp_size=2"],
@@ -314,7 +316,7 @@ def test_torchrun_args_parse_with_torch():
 
 def test_resolved_recipe_round_trips(tmp_path):
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "my_entry.py").write_text("")
+    (tmp_path / "src" / "my_entry.py").write_text(MINIMAL_ENTRY)
     recipe = load_recipe(
         write_recipe(tmp_path / "src", launch={"entry": "my_entry.py"}), ["max_steps=9"]
     )
@@ -414,13 +416,14 @@ def test_first_host(nodelist, host):
 # ----------------------------------------------------------------------------- help, fast start
 
 
-def test_help():
-    result = invoke("--help")
-    assert result.exit_code == 0
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help(flag):
+    result = invoke(flag)
+    assert result.exit_code == 0, result.output
     assert "launch" in result.output and "inspect-config" in result.output
-    for command in ("launch", "inspect-config"):
-        sub = invoke(command, "--help")
-        assert sub.exit_code == 0
+    for command in (["launch"], ["inspect-config"], ["cache", "build"]):
+        sub = invoke(*command, flag)
+        assert sub.exit_code == 0, sub.output
         assert "RECIPE" in sub.output and "KEY=VALUE" in sub.output
 
 
@@ -453,9 +456,34 @@ def test_plan_numbers(tmp_path):
 
 def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
     prefix = "optimization.memory.activation_checkpoint"
-    # On a cuda device: a cpu has no memory for auto to take a fraction of (refused).
-    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto", "runtime.device=cuda"]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path, runtime={}), overrides, env={}))
     assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
+    budget = [*overrides, f"{prefix}.memory_budget_gib=2"]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), budget, env={}))
+    assert plan.memory == "checkpointing auto within 2.0 GiB: chosen on the first step"
     plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
     assert plan.memory == "off"
+
+
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        ([], "checkpointing no block (selective_ratio 1.0; lower it to checkpoint), policy block"),
+        (["selective_ratio=0.0"], "checkpointing every block (selective_ratio 0.0)"),
+        (
+            ["selective_ratio=0.25"],
+            "75% of the model's blocks (selective_ratio 0.25: 9 of 12, 21 of 28)",
+        ),
+        (
+            ["selective_ratio=0.5", "target_paths=[a,b,c]"],
+            "checkpointing 1 of the 3 target_paths blocks",
+        ),
+    ],
+)
+def test_the_plan_shows_how_many_blocks_are_checkpointed(tmp_path, fields, shown):
+    prefix = "optimization.memory.activation_checkpoint"
+    overrides = [f"{prefix}.enabled=true", *(f"{prefix}.{f}" for f in fields)]
+    result = invoke("inspect-config", write_recipe(tmp_path), *overrides)
+    assert result.exit_code == 0, result.output
+    assert shown in " ".join(result.output.replace("│", " ").split())

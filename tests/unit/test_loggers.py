@@ -37,7 +37,7 @@ def _own_process_group():
         torch.distributed.destroy_process_group()
 
 
-def fit(tmp_path: Path, steps: int = 2, sample_fn=None, **trainer) -> list[dict]:
+def fit(tmp_path: Path, steps: int = 2, sample_fn=None, validate_fn=None, **trainer) -> list[dict]:
     config = MainConfig.from_dict(
         {
             "runtime": {"device": "cpu"},
@@ -58,7 +58,7 @@ def fit(tmp_path: Path, steps: int = 2, sample_fn=None, **trainer) -> list[dict]
         return model(batch[0]).square().mean()
 
     parts = {"model": model, "optimizer": optimizer, "loader": loader}
-    Trainer(gen, train_step, parts, sample_fn=sample_fn).fit()
+    Trainer(gen, train_step, parts, sample_fn=sample_fn, validate_fn=validate_fn).fit()
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
 
 
@@ -96,14 +96,19 @@ def test_tensorboard_and_offline_wandb_get_the_scalars_and_the_sample_images(tmp
         tmp_path,
         sample_fn=lambda: torch.zeros(2, 3, 4, 4),
         sample_every=2,
+        validate_fn=lambda: torch.tensor(0.25),
+        validate_every=2,
         loggers=["tensorboard", "wandb"],
     )
     assert [r["step"] for r in records] == [1, 2]
+    assert [r.get("val_loss") for r in records] == [None, 0.25]
 
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(r["step"], pytest.approx(r["loss"])) for r in records]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 0.25)]
+    assert "train/val_loss" not in events.Tags()["scalars"]
     assert [(e.step, e.width) for e in events.Images("samples/samples")] == [(2, 14)]
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
@@ -111,6 +116,10 @@ def test_tensorboard_and_offline_wandb_get_the_scalars_and_the_sample_images(tmp
     history = wandb_history(run_file)
     logged = [(int(h["_step"]), float(h["train/loss"])) for h in history if "train/loss" in h]
     assert logged == [(r["step"], pytest.approx(r["loss"])) for r in records]
+    assert [(int(h["_step"]), float(h["val/loss"])) for h in history if "val/loss" in h] == [
+        (2, 0.25)
+    ]
+    assert not any("train/val_loss" in h for h in history)
     assert [int(h["_step"]) for h in history if "samples/samples" in str(h)] == [2]
 
 

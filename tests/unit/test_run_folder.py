@@ -172,7 +172,9 @@ def test_resume_and_auto_resume_continue_in_a_folder_with_a_run(tmp_path, launch
 
 def test_paths_are_absolute_in_the_resolved_recipe(tmp_path, monkeypatch):
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "recipes" / "my_entry.py").write_text("")
+    (tmp_path / "recipes" / "my_entry.py").write_text(
+        "def build(config): ...\ndef train_step(batch): ...\n"
+    )
     monkeypatch.chdir(tmp_path)
     path = write_recipe(tmp_path / "recipes", results_dir="out/run", init_from="w.pth")
     data = yaml.safe_load(path.read_text())

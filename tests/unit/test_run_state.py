@@ -92,6 +92,24 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path, async_checkpoin
     assert second["lr"] == straight["lr"]  # the LR scheduler continued too
 
 
+def test_train_step_gets_the_step_number_its_loss_is_logged_under(tmp_path):
+    seen = []
+
+    def recording_step(batch, model, step):
+        seen.append(step)
+        return train_step(batch, model, step)
+
+    run(tmp_path / "a", 4, step_fn=recording_step)
+    logged = [
+        json.loads(line)["step"] for line in (tmp_path / "a" / "results" / "metrics.jsonl").open()
+    ]
+    assert seen == logged == [1, 2, 3, 4]
+    seen.clear()
+    run(tmp_path / "b", 2, step_fn=recording_step, checkpoint_every=2)
+    run(tmp_path / "b", 4, step_fn=recording_step, resume_run=str(tmp_path / "b" / "ckpt"))
+    assert seen == [1, 2, 3, 4]  # the resumed run goes on with step 3
+
+
 def test_keep_last_keeps_the_newest_and_latest_points_to_the_last(tmp_path):
     run(tmp_path, 5, checkpoint_every=1, keep_last=2)
     ckpt = tmp_path / "ckpt"
@@ -165,25 +183,25 @@ def recording_step(batch, model, step):
     return train_step(batch, model, step)
 
 
-def nan_at_step_1(batch, model, step):
+def nan_at_step_2(batch, model, step):
     """A NaN on the second optimizer step."""
     loss = recording_step(batch, model, step)
-    return loss * float("nan") if step == 1 else loss
+    return loss * float("nan") if step == 2 else loss
 
 
 def test_nan_skip_keeps_the_data_order_and_abort_names_the_step(tmp_path):
     seen.clear()
-    skipped = run(tmp_path / "skip", 4, step_fn=nan_at_step_1, on_nan="skip")
+    skipped = run(tmp_path / "skip", 4, step_fn=nan_at_step_2, on_nan="skip")
     skipped_seen = list(seen)
     seen.clear()
     clean = run(tmp_path / "clean", 4, step_fn=recording_step)
     # Same batch at every step: the skipped step consumed its data and advanced the cursor.
-    assert skipped_seen == seen and [s for s, _ in seen] == [0, 1, 2, 3]
+    assert skipped_seen == seen and [s for s, _ in seen] == [1, 2, 3, 4]
     assert skipped["trainer"].step == 4 and len(skipped["losses"]) == 3  # step 2 not logged
     assert skipped["lr"] == pytest.approx(0.05 * 0.9**3)  # the scheduler skipped one step
     assert clean["lr"] == pytest.approx(0.05 * 0.9**4)
     with pytest.raises(FloatingPointError, match=r"not finite at step 2.*on_nan: skip"):
-        run(tmp_path / "abort", 4, step_fn=nan_at_step_1)
+        run(tmp_path / "abort", 4, step_fn=nan_at_step_2)
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "random", "truncated"])

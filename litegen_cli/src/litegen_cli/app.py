@@ -21,6 +21,8 @@ app = typer.Typer(
     name="litegen",
     help="Launch and inspect LiteGen training recipes (YAML + an entry module) over torchrun.",
     no_args_is_help=True,
+    # `-h` as well as `--help`, on every command and sub-command (Click inherits it).
+    context_settings={"help_option_names": ["-h", "--help"]},
     # Errors are printed as panels by the commands; a crash must not dump locals.
     pretty_exceptions_show_locals=False,
     rich_markup_mode="markdown",

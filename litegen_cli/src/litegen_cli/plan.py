@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from litegen_cli.recipe import Recipe, RecipeError
+from litegen_cli.recipe import Recipe, RecipeError, layout_problems
 
 AUTO_DEVICE = "auto (cuda if available, else cpu)"
 
@@ -64,28 +64,14 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     accum = int(_get(trainer, "grad_accum_steps", 1))
     gbs = int(_get(cfg, "global_batch_size", 1))
 
-    problems = []
-    if int(_get(parallel, "cp_size", 1)) > 1:
-        problems.append(
-            "field 'optimization.parallel.cp_size': ring attention is reserved and not "
-            "implemented; set it to 1 (sp_size splits long sequences over Ulysses attention)"
-        )
-    if world % sp:
-        problems.append(
-            f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
-            f"{world} (launch.nproc_per_node * launch.nnodes)"
-        )
-    if sp > 1 and strategy == "fsdp1":
-        problems.append(
-            "field 'optimization.parallel.sp_size': sequence parallelism is not supported with "
-            "strategy 'fsdp1'; use fsdp2"
-        )
+    problems = layout_problems(
+        world=world,
+        sp=sp,
+        cp=int(_get(parallel, "cp_size", 1)),
+        accum=accum,
+        global_batch=gbs,
+    )
     dp = max(world // sp, 1)
-    if gbs % (dp * accum):
-        problems.append(
-            f"field 'global_batch_size': {gbs} is not divisible by data-parallel size {dp} "
-            f"* trainer.grad_accum_steps {accum} = {dp * accum}"
-        )
     problems += runtime_refusals(recipe)
     if problems:
         raise RecipeError(problems)
@@ -121,12 +107,25 @@ def _memory(memory: Any) -> str:
             )
             parts.append(f"checkpointing auto within {within}: chosen on the first step")
         else:
-            parts.append(
-                f"checkpointing selective_ratio {ratio}, policy {_get(ac, 'policy', 'block')}"
-            )
+            parts.append(f"checkpointing {_checkpointed(ac)}, policy {_get(ac, 'policy', 'block')}")
     if _get(memory, "activation_offload", False):
         parts.append("activation offload")
     return "; ".join(parts) or "off"
+
+
+def _checkpointed(ac: Any) -> str:
+    """How many blocks a numeric ``selective_ratio`` checkpoints, as far as the recipe tells:
+    the block count belongs to the model, so it is a count only with ``target_paths``."""
+    ratio = float(_get(ac, "selective_ratio", 1.0))
+    targets = _get(ac, "target_paths", None)
+    if targets:
+        return f"{ac.checkpointed_blocks(len(targets))} of the {len(targets)} target_paths blocks"
+    if ratio >= 1.0:
+        return "no block (selective_ratio 1.0; lower it to checkpoint)"
+    if ratio <= 0.0:
+        return "every block (selective_ratio 0.0)"
+    example = ", ".join(f"{ac.checkpointed_blocks(n)} of {n}" for n in (12, 28))
+    return f"{1 - ratio:.0%} of the model's blocks (selective_ratio {ratio}: {example})"
 
 
 def runtime_refusals(recipe: Recipe) -> list[str]:

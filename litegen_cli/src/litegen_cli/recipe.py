@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib.util
 import os
 import warnings
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
 from litegen.config.checks import IgnoredOptionWarning, ignored_options
+from litegen_cli.entry_check import entry_problems
 from litegen_cli.slurm import apply_slurm_env
 
 HEADER = "Error to load config, found the following problems:"
@@ -183,29 +183,54 @@ def _config_problems(exc: ValueError) -> list[str]:
     return lines or [str(exc)]
 
 
-def _entry_problem(entry: str, base_dir: Path) -> str | None:
-    """Check the entry can be found without importing it (importing may pull in torch)."""
-    # Same rule as litegen.entry.load_entry: a `.py` suffix means a file path.
-    if entry.endswith(".py"):
-        path = Path(entry).expanduser()
-        path = path if path.is_absolute() else base_dir / path
-        if path.is_file():
-            return None
-        return (
-            f"field 'launch.entry': entry file '{path}' does not exist; give a .py path "
-            f"relative to the recipe folder '{base_dir}' or a module name like pkg.module"
+def layout_problems(*, world: int, sp: int, cp: int, accum: int, global_batch: int) -> list[str]:
+    """The rank layout and batch arithmetic's problems, one line each.
+
+    >>> layout_problems(world=2, sp=1, cp=1, accum=1, global_batch=3)
+    ["field 'global_batch_size': 3 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 1 = 2"]
+    """
+    problems = []
+    if cp > 1:
+        problems.append(
+            "field 'optimization.parallel.cp_size': ring attention is reserved and not "
+            "implemented; set it to 1 (sp_size splits long sequences over Ulysses attention)"
         )
-    top = entry.split(".")[0]
-    # Only the top-level package is looked up: find_spec("a.b") would import package `a`.
-    for root in (base_dir, Path.cwd()):
-        if (root / f"{top}.py").is_file() or (root / top).is_dir():
-            return None
-    if importlib.util.find_spec(top) is not None:
-        return None
-    return (
-        f"field 'launch.entry': module '{entry}' not found; '{top}' is neither in the recipe "
-        f"folder '{base_dir}', the current folder nor installed (or give a .py path)"
-    )
+    if world % sp:
+        problems.append(
+            f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
+            f"{world} (launch.nproc_per_node * launch.nnodes)"
+        )
+    dp = max(world // sp, 1)
+    if global_batch % (dp * accum):
+        problems.append(
+            f"field 'global_batch_size': {global_batch} is not divisible by data-parallel size "
+            f"{dp} * trainer.grad_accum_steps {accum} = {dp * accum}"
+        )
+    return problems
+
+
+def _raw_layout_problems(data: dict[str, Any], launch: dict[str, Any]) -> list[str]:
+    """:func:`layout_problems` of a recipe that failed validation, from its raw values, so
+    that one round lists them with the field errors; a value that is itself invalid (already
+    reported) skips the check."""
+
+    def read(section: Any, path: str, default: Any) -> Any:
+        for key in path.split("."):
+            section = section.get(key) if isinstance(section, dict) else None
+        return default if section is None else section
+
+    numbers = {
+        "nproc": read(launch, "nproc_per_node", 1),
+        "nnodes": read(launch, "nnodes", 1),
+        "sp": read(data, "optimization.parallel.sp_size", 1),
+        "cp": read(data, "optimization.parallel.cp_size", 1),
+        "accum": read(data, "trainer.grad_accum_steps", 1),
+        "global_batch": read(data, "global_batch_size", 1),
+    }
+    if not all(type(v) is int and v >= 1 for v in numbers.values()):
+        return []
+    numbers["world"] = numbers.pop("nproc") * numbers.pop("nnodes")
+    return layout_problems(**numbers)
 
 
 def read_recipe_file(path: Path) -> dict[str, Any]:
@@ -286,9 +311,7 @@ def recipe_from_data(
             f"field 'launch.node_rank': {spec.node_rank} must be below nnodes ({spec.nnodes})"
         )
     if spec is not None:
-        problem = _entry_problem(spec.entry, Path(spec.recipe_dir or path.parent))
-        if problem:
-            problems.append(problem)
+        problems += entry_problems(spec.entry, Path(spec.recipe_dir or path.parent))
 
     config: MainConfig | None = None
     try:
@@ -299,6 +322,8 @@ def recipe_from_data(
         problems.extend(_config_problems(exc))
 
     if problems or spec is None or config is None:
+        # Checked on the validated recipe by plan.derive_plan otherwise.
+        problems += [p for p in _raw_layout_problems(data, raw_launch) if p not in problems]
         raise RecipeError(problems)
     # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.
     config = config.with_absolute_paths()

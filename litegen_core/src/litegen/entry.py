@@ -2,6 +2,14 @@
 
 module = load_entry("recipes/digits_dit.py")          # a file
 module = load_entry("recipes.digits_dit", base_dir)   # or an importable module name
+names = parts_to_prepare(module.build(config), "recipes/digits_dit.py")
+
+What ``build(config)`` returns is a dict of named objects. Models (``nn.Module``), optimizers,
+``DataLoader`` objects and datasets are prepared; a dataset is a ``torch.utils.data.Dataset`` (map
+style or ``IterableDataset``) or another object with ``__getitem__`` and ``__len__`` that is
+not a list, tuple, dict, string, tensor or array (a Hugging Face ``datasets.Dataset``, say).
+Everything else (a held-out ``(x, y)`` tuple, a tensor, an LR scheduler, plain values) reaches
+the hooks unchanged.
 """
 
 from __future__ import annotations
@@ -11,8 +19,15 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 REQUIRED = ("build", "train_step")
+# Containers and arrays that are data for the hooks (a held-out tuple), never a training set.
+_PLAIN = (list, tuple, dict, str, bytes, set, frozenset, torch.Tensor)
 
 
 def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
@@ -55,3 +70,63 @@ def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
             "objects to prepare, and train_step(batch, ...) -> loss."
         )
     return module
+
+
+def built_kind(obj: Any) -> str | None:
+    """How ``run_entry`` treats one value of the ``build(config)`` dict: the kind it prepares,
+    or None for a value that reaches ``train_step`` and the hooks unchanged.
+
+    >>> built_kind(nn.Linear(2, 2)), built_kind((torch.zeros(2), torch.zeros(2)))
+    ('model', None)
+    """
+    if isinstance(obj, nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    if isinstance(obj, (Dataset, IterableDataset)):
+        return "dataset"
+    if isinstance(obj, _PLAIN) or type(obj).__module__ == "numpy" or callable(obj):
+        return None
+    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
+        return "dataset"
+    return None
+
+
+def parts_to_prepare(built: Any, entry: str) -> list[str]:
+    """The names of the ``build(config)`` values to prepare; ``ValueError`` naming the fix when
+    it is not a dict with exactly one dataset (or DataLoader) and at least one optimizer.
+
+    >>> parts_to_prepare({"model": m, "optimizer": o, "data": ds, "val": (x, y)}, "e.py")
+    ['model', 'optimizer', 'data']
+    """
+    if not isinstance(built, dict) or not built:
+        raise ValueError(
+            f"build(config) in entry module '{entry}' must return a non-empty dict of named "
+            f"objects to prepare (model, optimizer, dataset, ...), got {type(built).__name__}."
+        )
+    kinds = {name: built_kind(obj) for name, obj in built.items()}
+    datasets = [name for name, kind in kinds.items() if kind in ("dataset", "dataloader")]
+    if len(datasets) != 1:
+        passed = [
+            f"'{name}' ({type(built[name]).__name__})"
+            for name, kind in kinds.items()
+            if kind is None and isinstance(built[name], _PLAIN)
+        ]
+        found = f"{len(datasets)} ({', '.join(repr(n) for n in datasets)})" if datasets else "none"
+        raise ValueError(
+            f"build(config) in entry module '{entry}' must return exactly one training dataset "
+            f"or DataLoader, found {found}. A dataset is a torch.utils.data.Dataset (or an "
+            "object with __getitem__ and __len__); lists, tuples, dicts and tensors reach "
+            "train_step and the hooks unchanged"
+            + (f" ({', '.join(passed)})" if passed else "")
+            + ". Wrap the training samples in a Dataset (torch.utils.data.TensorDataset for "
+            "tensors) and return any other data as plain values."
+        )
+    if "optimizer" not in kinds.values():
+        raise ValueError(
+            f"build(config) in entry module '{entry}' returned no optimizer; return the "
+            "optimizer of the trained model in the dict, e.g. 'optimizer': torch.optim.AdamW(...)."
+        )
+    return [name for name, kind in kinds.items() if kind is not None]

@@ -1,6 +1,6 @@
 """TensorBoard event files under ``<results_dir>/tensorboard`` (``trainer.loggers: [tensorboard]``).
 
-Scalars go under ``train/<name>``; sample files under ``samples/<file name>``, sent as the
+Scalars go under ``train/<name>`` (the validation loss under ``val/loss``: :func:`scalar_tag`); sample files under ``samples/<file name>``, sent as the
 encoded PNG or GIF itself (TensorBoard's image tab plays GIFs), so no video encoder is needed.
 """
 
@@ -11,6 +11,8 @@ from pathlib import Path
 from PIL import Image
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
+
+from litegen.loggers import scalar_tag
 
 
 class TensorBoardSink:
@@ -23,7 +25,7 @@ class TensorBoardSink:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(f"train/{key}", value, step)
+            self.writer.add_scalar(scalar_tag(key), value, step)
 
     def media(self, step: int, files: list[Path]) -> None:
         for path in files:

@@ -12,6 +12,7 @@ from typing import Any
 import wandb
 
 from litegen.config.training import WandbConfig
+from litegen.loggers import scalar_tag
 
 
 class WandbSink:
@@ -32,7 +33,7 @@ class WandbSink:
         )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({f"train/{key}": value for key, value in values.items()}, step=step)
+        self.run.log({scalar_tag(key): value for key, value in values.items()}, step=step)
 
     def media(self, step: int, files: list[Path]) -> None:
         logged = {}

@@ -11,6 +11,7 @@ names, so optimizers are rebound by name and full/DCP state dicts come from torc
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
@@ -28,6 +29,15 @@ from litegen.parallel.wrap import in_post_order, last_unit, plan_units
 from litegen.precision import fsdp2_mixed_policy
 
 log = logging.getLogger("litegen")
+
+# torch (2.13 and later) warns, once per rank over the progress bar, when a sharded unit
+# returns a view: an in-place op on that view would drop the unit's pre-backward hook. The
+# units are a model's blocks and the model itself, and diffusers' transformers return views by
+# construction (unpatchify's reshape and permute; single-stream blocks' split of the joint
+# text/image sequence) without ever changing them in place, so the warning says nothing about
+# them. An in-place op on the model's output in train_step would: docs/strategies.md asks
+# for out-of-place losses. Only this message is silenced, and only once fsdp2 or hsdp is used.
+_VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 # Wrappers that insert a path component into parameter names (FSDP1, checkpoint_wrapper,
 # torch.compile); names are compared without them.
@@ -118,6 +128,7 @@ class Fsdp2Strategy(Strategy):
             # None everywhere keeps torch's default (reshard units, keep the root gathered).
             return cfg.reshard_after_forward if override is None else override
 
+        warnings.filterwarnings("ignore", message=_VIEW_OUTPUT_WARNING, category=UserWarning)
         for path in units:  # bottom-up: a unit is sharded before any unit around it
             override = cfg.last_unit_reshard_after_forward if path == last else None
             fully_shard(modules[path], reshard_after_forward=reshard(override), **common)

@@ -14,10 +14,9 @@ from typing import Any
 import torch.distributed as dist
 
 from litegen.config import MainConfig
-from litegen.entry import load_entry
+from litegen.entry import load_entry, parts_to_prepare
 from litegen.loggers import check_loggers
 from litegen.runtime.litegen import LiteGen, initialize
-from litegen.runtime.prepare import preparable_kind
 from litegen.trainer.hooks import check_hooks, keyword_filter
 from litegen.trainer.loop import Trainer
 
@@ -40,14 +39,9 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     check_loggers(config.trainer.loggers)
     gen = initialize(config)
     built = module.build(config)
-    if not isinstance(built, dict) or not built:
-        raise ValueError(
-            f"build(config) in entry module '{entry}' must return a non-empty dict of named "
-            f"objects to prepare (model, optimizer, dataset, ...), got {type(built).__name__}."
-        )
     # Models, optimizers and datasets are prepared; anything else (an LR scheduler, a
-    # tokenizer, plain values) reaches train_step unchanged.
-    names = [name for name, obj in built.items() if preparable_kind(obj) is not None]
+    # held-out tuple, plain values) reaches train_step unchanged (litegen.entry.built_kind).
+    names = parts_to_prepare(built, entry)
     prepared = gen.prepare(*(built[name] for name in names))
     parts = dict(built)
     parts.update(zip(names, prepared if len(names) > 1 else [prepared], strict=True))

@@ -134,7 +134,9 @@ class Trainer(RunCheckpoints):
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
         kwargs = self._step_kwargs
         if self._wants_step:
-            kwargs = {**kwargs, "step": self.step}
+            # The number of the optimizer step this micro-batch belongs to, counted from 1: the
+            # step its loss is logged under and a checkpoint after it is named for.
+            kwargs = {**kwargs, "step": self.step + 1}
         with self._micro_contexts(last):
             try:
                 loss = self.train_step(batch, **kwargs)
