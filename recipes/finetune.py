@@ -20,9 +20,11 @@ and text encoders are loaded again only to sample (``validation.prompts``, every
 
 The loss is flow matching (:class:`litegen.objectives.FlowMatching`) with the pipeline
 scheduler's shift and ``objective.density`` / ``objective.weighting``. At the end, ``finish``
-writes ``<results_dir>/pipeline``: the pipeline folder with the trained transformer (full
-fine-tuning), or the LoRA adapters as ``<exp_name>.lora.safetensors`` (``load_lora_weights``)
-and a peft folder in the checkpoint folder.
+writes ``<results_dir>/pipeline``, the pipeline folder with the trained transformer (full
+fine-tuning), or ``<results_dir>/lora``: the LoRA adapters as ``<exp_name>.ema.lora.safetensors``
+(``load_lora_weights``) and the peft folder ``<exp_name>.ema.peft`` (``.ema`` when
+``trainer.export_ema``). ``litegen export --from <checkpoint_dir>/step_<N>`` writes the same from
+a run checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from litegen.cache import TensorCache, fill_cache, fingerprint
 from litegen.data import BucketBatchSampler, MediaDataset
+from litegen.export import export_name, write_export
 from litegen.objectives import FlowMatching
 from litegen.pretrained import check_pipeline_folder, load_component, load_pipeline
 
@@ -306,20 +308,18 @@ def sample(model, gen, config, family):
             module.to("cpu")
 
 
-def finish(gen, config):
-    """Export: the pipeline folder with the trained transformer, or the LoRA adapters."""
-    folder = pipeline_folder(config)
+def finish(gen, config, model):
+    """Export (:func:`litegen.export.write_export`, as ``litegen export`` does from a
+    checkpoint): the pipeline folder with the trained transformer, or the LoRA adapters."""
     use_ema = config.trainer.export_ema and gen.ema is not None
-    if config.optimization.lora is not None:
-        gen.save_lora_peft(ema=use_ema)  # the .lora.safetensors file is the final checkpoint
-        return
-    out = Path(config.get_results_dir()) / "pipeline"
-    gen.save_diffusers(out / "transformer", ema=use_ema)
+    lora = config.optimization.lora
+    if use_ema:  # a LoRA model's EMA averages the adapters alone: no need to gather the base
+        state = gen.ema.state_dict() if lora is not None else gen.full_ema_state()
+    else:
+        state = gen.full_model_state(model)  # every rank gathers
+    out = Path(config.get_results_dir()) / ("lora" if lora is not None else "pipeline")
     if gen.is_main_process:
-        for part in folder.iterdir():
-            if part.name != "transformer":
-                copy = shutil.copytree if part.is_dir() else shutil.copy2
-                target = out / part.name
-                if target.exists():
-                    shutil.rmtree(target) if target.is_dir() else target.unlink()
-                copy(part, target)
+        name = export_name(config.exp_name, use_ema)
+        prefix = lora.prefix if lora is not None else "transformer"
+        write_export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
+                     lora_prefix=prefix)  # fmt: skip
