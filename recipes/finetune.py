@@ -16,7 +16,7 @@ The namespace is a fingerprint of the pipeline's files (transformer aside), the 
 the family; each entry's key is the file's path, size, modification time and caption, so added
 or edited files are encoded and the rest is read back. Training reads the cache alone: the VAE
 and text encoders are loaded again only to sample (``validation.prompts``, every
-``trainer.sample_every`` steps, written as a PNG or GIF grid under ``samples/step_<N>/``).
+``trainer.sample_every`` steps, written as a PNG or MP4 grid under ``samples/step_<N>/``).
 
 The loss is flow matching (:class:`litegen.objectives.FlowMatching`) with the pipeline
 scheduler's shift and ``objective.density`` / ``objective.weighting``. At the end, ``finish``

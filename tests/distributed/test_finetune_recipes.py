@@ -99,7 +99,7 @@ def test_video_recipe_cache_build_then_train_with_lora(
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert shard_indexes(cache_root) == shards  # training read the cache and encoded nothing
-    assert (results / "samples" / "step_4" / "samples.gif").is_file()
+    assert (results / "samples" / "step_4" / "samples.mp4").is_file()
 
     # The end-of-run export and `litegen export` from the last checkpoint write the EMA
     # adapters the final checkpoint file holds.
@@ -238,4 +238,4 @@ def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Pat
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)
     assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[0])))
     for step in (2, 4):
-        assert (results / "samples" / f"step_{step}" / "samples.gif").is_file()
+        assert (results / "samples" / f"step_{step}" / "samples.mp4").is_file()
