@@ -15,7 +15,7 @@ training, or at the start of the launch for whatever is missing, each rank encod
 The namespace is a fingerprint of the pipeline's files (transformer aside), the bucket rule and
 the family; each entry's key is the file's path, size, modification time and caption, so added
 or edited files are encoded and the rest is read back. Training reads the cache alone: the VAE
-and text encoders are loaded again only to sample (``validation.prompts``, every
+and text encoders are loaded again only to sample (``trainer.validation.prompts``, every
 ``trainer.sample_every`` steps, written as a PNG or MP4 grid under ``samples/step_<N>/``).
 
 The loss is flow matching (:class:`litegen.objectives.FlowMatching`) with the pipeline
@@ -259,6 +259,11 @@ class CaptionDropout:
 def build(config):
     """The pipeline's transformer, AdamW over what trains, the cached samples, the objective."""
     fam = pipeline_family(config)
+    if config.trainer.sample_every and not config.trainer.validation.prompts:
+        raise ValueError(
+            "trainer.sample_every is set but trainer.validation.prompts is empty: give the "
+            "prompts to sample, or set trainer.sample_every=0."
+        )
     data, empty_prompt = cached_data(config, fam)
     model = load_component(pipeline_folder(config), "transformer")
     optimizer = torch.optim.AdamW(
@@ -286,7 +291,7 @@ def sample(model, gen, config, family):
     the CPU after it, so training keeps their memory between samples.
     """
     global _sampling_pipe
-    validation = config.validation
+    validation = config.trainer.validation
     if _sampling_pipe is None:
         dtype = torch.bfloat16 if gen.device.type == "cuda" else None
         folder = pipeline_folder(config)

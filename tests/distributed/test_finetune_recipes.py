@@ -40,9 +40,9 @@ SHORT = [
     "trainer.checkpoint_every=0",
     "trainer.log_every=2",
     "data.resolution=32",
-    "validation.steps=2",
-    "validation.height=32",
-    "validation.width=32",
+    "trainer.validation.steps=2",
+    "trainer.validation.height=32",
+    "trainer.validation.width=32",
 ]
 
 
@@ -86,7 +86,7 @@ def test_video_recipe_cache_build_then_train_with_lora(
     cache_root, results = tmp_path / "cache", tmp_path / "results" / "finetune_video"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}", "data.max_frames=9",
-                 "validation.frames=9", "trainer.checkpoint_every=4"]  # fmt: skip
+                 "trainer.validation.frames=9", "trainer.checkpoint_every=4"]  # fmt: skip
     recipe = str(RECIPES / "finetune_video.yaml")
 
     built = CliRunner().invoke(app, ["cache", "build", recipe, *overrides], env={"COLUMNS": "250"})
@@ -233,7 +233,7 @@ def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Pat
     results = tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
-                 "data.max_frames=9", "validation.frames=9", "optimization.parallel.sp_size=2",
+                 "data.max_frames=9", "trainer.validation.frames=9", "optimization.parallel.sp_size=2",
                  "global_batch_size=1", "trainer.sample_every=2"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)
     assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[0])))
