@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from litegen.cache import TensorCache, fill_cache, fingerprint
 from litegen.data import BucketBatchSampler, MediaDataset
+from litegen.data.media_files import media_paths
 from litegen.export import export_name, write_export
 from litegen.objectives import FlowMatching
 from litegen.pretrained import check_pipeline_folder, load_component, load_pipeline
@@ -72,6 +73,19 @@ def pipeline_family(config) -> Family:
     folder = pipeline_folder(config)
     scheduler = _json(folder / "scheduler" / "scheduler_config.json")
     return family_of(_json(folder / "model_index.json"), str(folder), scheduler)
+
+
+def check_inputs(config) -> None:
+    """The bad input found from the config alone, before the ranks start
+    (:func:`litegen.entry.check_inputs`): the pipeline folder, a missing component, a pipeline
+    class without a family (none to sample with), and a media folder with no media."""
+    pipeline_family(config)
+    if not config.data.get("folder"):
+        raise ValueError(
+            "data.folder is not set: give the folder of images and videos with captions "
+            "(docs/finetune.md#media-folders)."
+        )
+    media_paths(config.data.folder)
 
 
 def make_objective(config) -> FlowMatching:

@@ -226,6 +226,34 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     assert "holds no images" in cache_build(wan, empty)
 
 
+def test_the_entry_check_refuses_bad_folders_before_anything_is_built(
+    tmp_path: Path, media: Path
+) -> None:
+    import shutil
+
+    from litegen.entry import check_inputs
+    from litegen_cli.recipe import load_recipe
+
+    wan = tiny_pipeline_folder("wan")
+    no_vae = shutil.copytree(wan, tmp_path / "no_vae")
+    shutil.rmtree(no_vae / "vae")
+    empty = tmp_path / "empty"
+    (empty / "captions").mkdir(parents=True)
+    (empty / "captions" / "fox.txt").write_text("a caption without its media")
+
+    def check(pipeline: Path, folder: Path) -> None:
+        overrides = [f"model.pretrained={pipeline}", f"data.folder={folder}"]
+        recipe = load_recipe(RECIPES / "finetune_video.yaml", overrides)
+        check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)
+
+    check(wan, media)
+    with pytest.raises(ValueError, match=rf"{no_vae} misses its 'vae' component"):
+        check(no_vae, media)
+    with pytest.raises(ValueError, match=rf"media folder {empty} holds no images"):
+        check(wan, empty)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.slow
 def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Path) -> None:
     """Two ranks split each clip's tokens (sp_size 2): training and sampling run on both."""

@@ -2,6 +2,7 @@
 
 module = load_entry("recipes/digits_dit.py")          # a file
 module = load_entry("recipes.digits_dit", base_dir)   # or an importable module name
+check_inputs(config, "recipes/finetune.py")           # its check_inputs(config) hook, if any
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REQUIRED = ("build", "train_step")
 
@@ -55,3 +57,17 @@ def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
             "objects to prepare, and train_step(batch, ...) -> loss."
         )
     return module
+
+
+def check_inputs(config: Any, entry: str, base_dir: str | Path | None = None) -> None:
+    """Call the entry module's optional ``check_inputs(config)`` hook: the bad input it can find
+    without building anything (a missing folder or file), raised as a ``ValueError`` naming the
+    path and the fix. Cheap, and needs no process group: a launcher calls it before the ranks
+    start (``run_entry`` calls it too, before ``initialize``).
+
+    Example:
+        >>> check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)  # doctest: +SKIP
+    """
+    hook = getattr(load_entry(entry, base_dir), "check_inputs", None)
+    if callable(hook):
+        hook(config)
