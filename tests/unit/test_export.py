@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
@@ -32,6 +33,7 @@ def step_folder(root: Path, config: dict, state: dict) -> Path:
 
 def test_checkpoint_weights_are_the_model_s_or_the_ema_s_over_them(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model[1].requires_grad_(False)  # frozen: the EMA averages the Linear alone
     saved = {k: torch.randn_like(v.float()).to(v.dtype) for k, v in model.state_dict().items()}
     ema = {"0.weight": torch.randn(4, 3), "0.bias": torch.randn(4)}  # the trainable ones
     step = step_folder(tmp_path, {}, {"model": saved, "ema": ema})
@@ -42,6 +44,9 @@ def test_checkpoint_weights_are_the_model_s_or_the_ema_s_over_them(tmp_path: Pat
     assert all(torch.equal(plain[k], saved[k]) for k in saved)
     averaged = checkpoint_weights(step / "model_0", model, ema=True)
     assert all(torch.equal(averaged[k], ema.get(k, saved[k])) for k in saved)
+    model[1].requires_grad_(True)  # now the EMA lacks trained tensors: refused, not the model's
+    with pytest.raises(ValueError, match=r"holds no EMA of \['1.weight', '1.bias'\].*--no-ema"):
+        checkpoint_weights(step / "model_0", model, ema=True)
 
 
 def test_export_refuses_a_run_without_a_pipeline_folder_and_a_missing_checkpoint(

@@ -88,6 +88,15 @@ def checkpoint_weights(
     wanted = {f"model.{k}" for k in module.state_dict()}
     if ema:
         wanted |= {f"ema.{k}" for k in module.state_dict()}
+        # The EMA averages what trains: each of those must be there, or the export would
+        # quietly hold the model's own weights.
+        trained = [k for k, p in module.named_parameters() if p.requires_grad]
+        missing = [k for k in trained if f"ema.{k}" not in saved]
+        if missing:
+            raise ValueError(
+                f"run checkpoint {model_dir} holds no EMA of {missing[:3]} ({len(missing)} of "
+                f"{len(trained)} trained tensors); export the model's weights with --no-ema."
+            )
     buffers = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in saved.items()
@@ -135,7 +144,10 @@ def export_checkpoint(
             f"run checkpoint {step_dir} fine-tunes no pipeline folder (its config has no "
             "model.pretrained); litegen export writes the runs of recipes/finetune_*.yaml."
         )
-    check_pipeline_folder(folder)
+    try:
+        check_pipeline_folder(folder)
+    except ValueError as err:
+        raise ValueError(f"{err} Or pass the folder the run fine-tuned: --pipeline DIR.") from None
     out = Path(out) if out is not None else step_dir.parent / "exports" / step_dir.name
     if out.exists():
         raise ValueError(f"{out} already exists: pass another --out, or move it away first.")
