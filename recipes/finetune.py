@@ -15,14 +15,16 @@ training, or at the start of the launch for whatever is missing, each rank encod
 The namespace is a fingerprint of the pipeline's files (transformer aside), the bucket rule and
 the family; each entry's key is the file's path, size, modification time and caption, so added
 or edited files are encoded and the rest is read back. Training reads the cache alone: the VAE
-and text encoders are loaded again only to sample (``validation.prompts``, every
-``trainer.sample_every`` steps, written as a PNG or GIF grid under ``samples/step_<N>/``).
+and text encoders are loaded again only to sample (``trainer.validation.prompts``, every
+``trainer.sample_every`` steps, written as a PNG or MP4 grid under ``samples/step_<N>/``).
 
 The loss is flow matching (:class:`litegen.objectives.FlowMatching`) with the pipeline
 scheduler's shift and ``objective.density`` / ``objective.weighting``. At the end, ``finish``
-writes ``<results_dir>/pipeline``: the pipeline folder with the trained transformer (full
-fine-tuning), or the LoRA adapters as ``<exp_name>.lora.safetensors`` (``load_lora_weights``)
-and a peft folder in the checkpoint folder.
+writes ``<results_dir>/pipeline``, the pipeline folder with the trained transformer (full
+fine-tuning), or ``<results_dir>/lora``: the LoRA adapters as ``<exp_name>.ema.lora.safetensors``
+(``load_lora_weights``) and the peft folder ``<exp_name>.ema.peft`` (``.ema`` when
+``trainer.export_ema``). ``litegen export --from <checkpoint_dir>/step_<N>`` writes the same from
+a run checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from litegen.cache import TensorCache, fill_cache, fingerprint
 from litegen.data import BucketBatchSampler, MediaDataset
+from litegen.data.media_files import media_paths
+from litegen.export import export_name, write_export
 from litegen.objectives import FlowMatching
 from litegen.pretrained import check_pipeline_folder, load_component, load_pipeline
 
@@ -70,6 +73,19 @@ def pipeline_family(config) -> Family:
     folder = pipeline_folder(config)
     scheduler = _json(folder / "scheduler" / "scheduler_config.json")
     return family_of(_json(folder / "model_index.json"), str(folder), scheduler)
+
+
+def check_inputs(config) -> None:
+    """The bad input found from the config alone, before the ranks start
+    (:func:`litegen.entry.check_inputs`): the pipeline folder, a missing component, a pipeline
+    class without a family (none to sample with), and a media folder with no media."""
+    pipeline_family(config)
+    if not config.data.get("folder"):
+        raise ValueError(
+            "data.folder is not set: give the folder of images and videos with captions "
+            "(docs/finetune.md#media-folders)."
+        )
+    media_paths(config.data.folder)
 
 
 def make_objective(config) -> FlowMatching:
@@ -257,6 +273,11 @@ class CaptionDropout:
 def build(config):
     """The pipeline's transformer, AdamW over what trains, the cached samples, the objective."""
     fam = pipeline_family(config)
+    if config.trainer.sample_every and not config.trainer.validation.prompts:
+        raise ValueError(
+            "trainer.sample_every is set but trainer.validation.prompts is empty: give the "
+            "prompts to sample, or set trainer.sample_every=0."
+        )
     data, empty_prompt = cached_data(config, fam)
     model = load_component(pipeline_folder(config), "transformer")
     optimizer = torch.optim.AdamW(
@@ -284,7 +305,7 @@ def sample(model, gen, config, family):
     the CPU after it, so training keeps their memory between samples.
     """
     global _sampling_pipe
-    validation = config.validation
+    validation = config.trainer.validation
     if _sampling_pipe is None:
         dtype = torch.bfloat16 if gen.device.type == "cuda" else None
         folder = pipeline_folder(config)
@@ -306,20 +327,18 @@ def sample(model, gen, config, family):
             module.to("cpu")
 
 
-def finish(gen, config):
-    """Export: the pipeline folder with the trained transformer, or the LoRA adapters."""
-    folder = pipeline_folder(config)
+def finish(gen, config, model):
+    """Export (:func:`litegen.export.write_export`, as ``litegen export`` does from a
+    checkpoint): the pipeline folder with the trained transformer, or the LoRA adapters."""
     use_ema = config.trainer.export_ema and gen.ema is not None
-    if config.optimization.lora is not None:
-        gen.save_lora_peft(ema=use_ema)  # the .lora.safetensors file is the final checkpoint
-        return
-    out = Path(config.get_results_dir()) / "pipeline"
-    gen.save_diffusers(out / "transformer", ema=use_ema)
+    lora = config.optimization.lora
+    if use_ema:  # a LoRA model's EMA averages the adapters alone: no need to gather the base
+        state = gen.ema.state_dict() if lora is not None else gen.full_ema_state()
+    else:
+        state = gen.full_model_state(model)  # every rank gathers
+    out = Path(config.get_results_dir()) / ("lora" if lora is not None else "pipeline")
     if gen.is_main_process:
-        for part in folder.iterdir():
-            if part.name != "transformer":
-                copy = shutil.copytree if part.is_dir() else shutil.copy2
-                target = out / part.name
-                if target.exists():
-                    shutil.rmtree(target) if target.is_dir() else target.unlink()
-                copy(part, target)
+        name = export_name(config.exp_name, use_ema)
+        prefix = lora.prefix if lora is not None else "transformer"
+        write_export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
+                     lora_prefix=prefix)  # fmt: skip

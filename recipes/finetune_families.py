@@ -74,6 +74,18 @@ def _max_length(tokenizer: Any) -> int:
     return min(int(tokenizer.model_max_length), 512)
 
 
+def _settings(validation: Any, **more: Any) -> dict[str, Any]:
+    """The pipeline arguments ``trainer.validation`` sets; the unset ones keep their defaults."""
+    given = {
+        "height": validation.height,
+        "width": validation.width,
+        "num_inference_steps": validation.steps,
+        "guidance_scale": validation.guidance,
+        **more,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _dtype(model: Any) -> torch.dtype:
     return next(model.parameters()).dtype  # bf16 under the bf16-mixed preset
 
@@ -127,11 +139,7 @@ class Wan(Family):
     def sample(self, pipe, prompts, validation, generator):
         frames = pipe(
             prompt=prompts,
-            height=validation.height,
-            width=validation.width,
-            num_frames=validation.frames,
-            num_inference_steps=validation.steps,
-            guidance_scale=validation.guidance,
+            **_settings(validation, num_frames=validation.frames),
             max_sequence_length=_max_length(pipe.tokenizer),
             generator=generator,
             output_type="pt",
@@ -189,10 +197,7 @@ class Flux(Family):
     def sample(self, pipe, prompts, validation, generator):
         return pipe(
             prompt=prompts,
-            height=validation.height,
-            width=validation.width,
-            num_inference_steps=validation.steps,
-            guidance_scale=validation.guidance,
+            **_settings(validation),
             max_sequence_length=_max_length(pipe.tokenizer_2),
             generator=generator,
             output_type="pt",

@@ -12,8 +12,10 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from litegen_cli.app import app
@@ -38,9 +40,9 @@ SHORT = [
     "trainer.checkpoint_every=0",
     "trainer.log_every=2",
     "data.resolution=32",
-    "validation.steps=2",
-    "validation.height=32",
-    "validation.width=32",
+    "trainer.validation.steps=2",
+    "trainer.validation.height=32",
+    "trainer.validation.width=32",
 ]
 
 
@@ -84,7 +86,7 @@ def test_video_recipe_cache_build_then_train_with_lora(
     cache_root, results = tmp_path / "cache", tmp_path / "results" / "finetune_video"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}", "data.max_frames=9",
-                 "validation.frames=9"]  # fmt: skip
+                 "trainer.validation.frames=9", "trainer.checkpoint_every=4"]  # fmt: skip
     recipe = str(RECIPES / "finetune_video.yaml")
 
     built = CliRunner().invoke(app, ["cache", "build", recipe, *overrides], env={"COLUMNS": "250"})
@@ -97,17 +99,29 @@ def test_video_recipe_cache_build_then_train_with_lora(
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert shard_indexes(cache_root) == shards  # training read the cache and encoded nothing
-    assert (results / "samples" / "step_4" / "samples.gif").is_file()
+    assert (results / "samples" / "step_4" / "samples.mp4").is_file()
+
+    # The end-of-run export and `litegen export` from the last checkpoint write the EMA
+    # adapters the final checkpoint file holds.
+    exported = CliRunner().invoke(app, ["export", "--from", str(results)])
+    assert exported.exit_code == 0, exported.output
+    final = load_file(results / "finetune_video.ema.lora.safetensors")
+    for folder in (results / "lora", results / "exports" / "step_4"):
+        adapters = load_file(folder / "finetune_video.ema.lora.safetensors")
+        assert adapters.keys() == final.keys()
+        assert all(torch.equal(adapters[k], final[k]) for k in final)
 
     # The EMA adapters through diffusers' loader and through peft give the same transformer,
     # and it is not the base one.
     base = transformer_output(WanPipeline.from_pretrained(pipeline).transformer)
     pipe = WanPipeline.from_pretrained(pipeline)
-    pipe.load_lora_weights(str(results / "finetune_video.ema.lora.safetensors"))
+    pipe.load_lora_weights(
+        str(results / "exports" / "step_4" / "finetune_video.ema.lora.safetensors")
+    )
     through_diffusers = transformer_output(pipe.transformer)
     base_model = WanPipeline.from_pretrained(pipeline).transformer
     through_peft = transformer_output(
-        PeftModel.from_pretrained(base_model, str(results / "finetune_video.ema.peft"))
+        PeftModel.from_pretrained(base_model, str(results / "lora" / "finetune_video.ema.peft"))
     )
     torch.testing.assert_close(through_diffusers, through_peft)
     assert not torch.allclose(through_diffusers, base)
@@ -121,12 +135,14 @@ def test_video_recipe_cache_build_then_train_with_lora(
 
 def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media: Path) -> None:
     from diffusers import DiffusionPipeline
+    from PIL import Image
 
     pipeline = tiny_pipeline_folder("flux")
     cache_root, results = tmp_path / "cache", tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={cache_root}", f"results_dir={results}",
-                 "optimization.lora=null", "data.caption_dropout=0.5"]  # fmt: skip
+                 "optimization.lora=null", "data.caption_dropout=0.5",
+                 "trainer.checkpoint_every=2", "trainer.sample_every=2"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_image.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert len(shard_indexes(cache_root)) == 2  # the ranks encoded half the files each
@@ -137,9 +153,28 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
     state = exported.transformer.state_dict()
     assert state.keys() == ema.keys()
     assert all(torch.equal(t, ema[k]) for k, t in state.items())
-    image = exported(prompt="a red fox", height=32, width=32, num_inference_steps=2,
-                     max_sequence_length=32, output_type="pt").images  # fmt: skip
-    assert image.shape == (1, 3, 32, 32)
+
+    # `litegen export` from the step-2 checkpoint, in plain diffusers, draws the step-2 sample.
+    out = tmp_path / "step_2_pipeline"
+    result = CliRunner().invoke(
+        app, ["export", "--from", str(results / "step_2"), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    at_step_2 = DiffusionPipeline.from_pretrained(out)
+    image = at_step_2(prompt="a photo of a red fox in the snow", height=32, width=32,
+                      num_inference_steps=2, guidance_scale=3.5,
+                      max_sequence_length=min(exported.tokenizer_2.model_max_length, 512),
+                      generator=torch.Generator().manual_seed(0), output_type="pt").images[0]  # fmt: skip
+    with Image.open(results / "samples" / "step_2" / "samples.png") as png:
+        sampled = torch.from_numpy(np.array(png)[2:34, 2:34]).permute(2, 0, 1) / 255
+    torch.testing.assert_close(image, sampled, atol=1 / 255, rtol=0)
+    assert not torch.equal(
+        at_step_2.transformer.x_embedder.weight, exported.transformer.x_embedder.weight
+    )
+    again = CliRunner().invoke(
+        app, ["export", "--from", str(results / "step_2"), "--out", str(out)]
+    )
+    assert again.exit_code == 2 and "already exists" in again.output
 
 
 def test_caption_dropout_swaps_whole_samples_for_the_empty_caption() -> None:
@@ -191,6 +226,34 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     assert "holds no images" in cache_build(wan, empty)
 
 
+def test_the_entry_check_refuses_bad_folders_before_anything_is_built(
+    tmp_path: Path, media: Path
+) -> None:
+    import shutil
+
+    from litegen.entry import check_inputs
+    from litegen_cli.recipe import load_recipe
+
+    wan = tiny_pipeline_folder("wan")
+    no_vae = shutil.copytree(wan, tmp_path / "no_vae")
+    shutil.rmtree(no_vae / "vae")
+    empty = tmp_path / "empty"
+    (empty / "captions").mkdir(parents=True)
+    (empty / "captions" / "fox.txt").write_text("a caption without its media")
+
+    def check(pipeline: Path, folder: Path) -> None:
+        overrides = [f"model.pretrained={pipeline}", f"data.folder={folder}"]
+        recipe = load_recipe(RECIPES / "finetune_video.yaml", overrides)
+        check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)
+
+    check(wan, media)
+    with pytest.raises(ValueError, match=rf"{no_vae} misses its 'vae' component"):
+        check(no_vae, media)
+    with pytest.raises(ValueError, match=rf"media folder {empty} holds no images"):
+        check(wan, empty)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.slow
 def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Path) -> None:
     """Two ranks split each clip's tokens (sp_size 2): training and sampling run on both."""
@@ -198,9 +261,9 @@ def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Pat
     results = tmp_path / "results"
     overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
                  f"data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
-                 "data.max_frames=9", "validation.frames=9", "optimization.parallel.sp_size=2",
+                 "data.max_frames=9", "trainer.validation.frames=9", "optimization.parallel.sp_size=2",
                  "global_batch_size=1", "trainer.sample_every=2"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)
     assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[0])))
     for step in (2, 4):
-        assert (results / "samples" / f"step_{step}" / "samples.gif").is_file()
+        assert (results / "samples" / f"step_{step}" / "samples.mp4").is_file()

@@ -216,3 +216,22 @@ def test_exposed_communication_is_what_no_other_kernel_overlaps():
         "elementwise/other": "0.00",
         "exposed comm.": "5.00",
     }
+
+
+def test_tensorboard_shows_an_mp4_sample_as_a_gif_of_its_frames(tmp_path):
+    pytest.importorskip("av")
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from litegen.loggers.tensorboard import TensorBoardSink
+    from litegen.trainer import save_samples
+
+    (mp4,) = save_samples(torch.rand(3, 3, 4, 6, 6), tmp_path / "samples")
+    sink = TensorBoardSink(tmp_path / "tensorboard")
+    sink.media(5, [mp4])
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    (image,) = events.Images("samples/samples")
+    with Image.open(io.BytesIO(image.encoded_image_string)) as gif:
+        assert (gif.format, gif.n_frames, gif.size) == ("GIF", 4, (18, 18))

@@ -120,14 +120,29 @@ def test_a_sample_interval_without_a_sample_hook_fails_before_training(tmp_path)
         fit(tmp_path, step_fn=step_fn, sample_every=2)
 
 
-def test_videos_become_a_gif_grid_and_images_in_minus_one_to_one_a_png(tmp_path):
-    gif = save_samples(torch.rand(2, 3, 5, 4, 4) * 2 - 1, tmp_path / "video")[0]
-    with Image.open(gif) as picture:
-        assert (picture.format, picture.n_frames, picture.size) == ("GIF", 5, (14, 8))
+def test_videos_become_an_mp4_grid_and_images_in_minus_one_to_one_a_png(tmp_path):
+    av = pytest.importorskip("av")
+    videos = torch.zeros(2, 3, 5, 4, 4)
+    videos[1, 0] = 1.0  # the second clip red, the first black
+    mp4 = save_samples(videos * 2 - 1, tmp_path / "video")[0]
+    assert mp4.name == "samples.mp4"
+    with av.open(str(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (8, 14, 3)  # 2 clips of 4x4, padded by 2
+    assert frames[2][3, 3].max() < 40 and frames[2][3, 9, 0] > 200  # black, then red
     png = save_samples([-torch.ones(1, 4, 4)], tmp_path / "image")[0]
     assert np.asarray(Image.open(png)).max() == 0  # -1 is black
     with pytest.raises(ValueError, match=r"sample\(\) returned shape \(2, 4\)"):
         save_samples(torch.zeros(2, 4), tmp_path)
+
+
+def test_videos_become_a_gif_without_an_h264_encoder(tmp_path, monkeypatch):
+    from litegen.trainer import media
+
+    monkeypatch.setattr(media, "MP4_CODEC", "no-such-encoder")
+    gif = save_samples(torch.rand(2, 3, 5, 4, 4), tmp_path)[0]
+    with Image.open(gif) as picture:
+        assert (picture.format, picture.n_frames, picture.size) == ("GIF", 5, (14, 8))
 
 
 def test_launch_refuses_a_sample_interval_without_the_hook_before_building_anything():

@@ -262,6 +262,60 @@ def env() -> None:
     typer.echo(environment_report())
 
 
+@app.command("export")
+def export(
+    checkpoint: Annotated[
+        Path,
+        typer.Option(
+            "--from",
+            help="A `step_<N>` run checkpoint of a fine-tuning run, or the checkpoint_dir "
+            "holding them (its latest).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="The folder to write (must not exist). Default: <checkpoint_dir>/exports/step_<N>.",
+            show_default=False,
+        ),
+    ] = None,
+    ema: Annotated[
+        bool | None,
+        typer.Option(
+            "--ema/--no-ema",
+            help="Export the EMA weights, or the model's. Default: the run's trainer.export_ema "
+            "when the checkpoint holds an EMA.",
+            show_default=False,
+        ),
+    ] = None,
+    pipeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--pipeline",
+            help="The pipeline folder the run fine-tuned, if it moved. Default: the run's "
+            "model.pretrained.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Export a fine-tuning run checkpoint as the end of the run does, in this one process.
+
+    Full fine-tuning: a pipeline folder that `DiffusionPipeline.from_pretrained` loads. LoRA:
+    `<exp_name>[.ema].lora.safetensors` (`pipe.load_lora_weights`) and the peft folder
+    `<exp_name>[.ema].peft`. See docs/finetune.md.
+    """
+    from litegen.export import export_checkpoint  # imports torch
+
+    try:
+        written = export_checkpoint(checkpoint, out, ema=ema, pipeline=pipeline)
+    except (ValueError, FileNotFoundError) as err:
+        render.print_error("Cannot export", [str(err)])
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    render.console.print(f"[green]Exported[/] {written}", highlight=False)
+
+
 cache_app = typer.Typer(
     help="Tensor caches (VAE latents, text embeddings) of a recipe.", no_args_is_help=True
 )

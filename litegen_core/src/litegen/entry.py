@@ -3,6 +3,7 @@
 module = load_entry("recipes/digits_dit.py")          # a file
 module = load_entry("recipes.digits_dit", base_dir)   # or an importable module name
 names = parts_to_prepare(module.build(config), "recipes/digits_dit.py")
+check_inputs(config, "recipes/finetune.py")           # its check_inputs(config) hook, if any
 
 What ``build(config)`` returns is a dict of named objects. Models (``nn.Module``), optimizers,
 ``DataLoader`` objects and datasets are prepared; a dataset is a ``torch.utils.data.Dataset`` (map
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+
 
 REQUIRED = ("build", "train_step")
 # Containers and arrays that are data for the hooks (a held-out tuple), never a training set.
@@ -130,3 +133,17 @@ def parts_to_prepare(built: Any, entry: str) -> list[str]:
             "optimizer of the trained model in the dict, e.g. 'optimizer': torch.optim.AdamW(...)."
         )
     return [name for name, kind in kinds.items() if kind is not None]
+
+
+def check_inputs(config: Any, entry: str, base_dir: str | Path | None = None) -> None:
+    """Call the entry module's optional ``check_inputs(config)`` hook: the bad input it can find
+    without building anything (a missing folder or file), raised as a ``ValueError`` naming the
+    path and the fix. Cheap, and needs no process group: a launcher calls it before the ranks
+    start (``run_entry`` calls it too, before ``initialize``).
+
+    Example:
+        >>> check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)  # doctest: +SKIP
+    """
+    hook = getattr(load_entry(entry, base_dir), "check_inputs", None)
+    if callable(hook):
+        hook(config)

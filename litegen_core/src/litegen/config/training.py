@@ -38,6 +38,22 @@ class WandbConfig(Section):
     )
 
 
+class ValidationConfig(Section):
+    """What the ``sample()`` hook generates every ``sample_every`` steps (``trainer.validation``).
+
+    The fine-tuning recipes hand these to the pipeline they sample with; a hook of your own
+    reads them from ``config.trainer.validation``. None leaves the pipeline's own default.
+    """
+
+    prompts: list[str] = Field(default_factory=list, description="the prompts sampled")
+    steps: int | None = Field(None, ge=1, description="denoising steps")
+    guidance: float | None = Field(None, ge=0, description="classifier-free guidance scale")
+    height: int | None = Field(None, ge=1, description="pixels")
+    width: int | None = Field(None, ge=1, description="pixels")
+    frames: int | None = Field(None, ge=1, description="frames of a video")
+    seed: int = Field(0, description="seeds the sampling generator; the training RNG is untouched")
+
+
 class TrainerConfig(Section):
     """Training-loop settings read by LiteGen's trainer (``trainer``)."""
 
@@ -68,6 +84,7 @@ class TrainerConfig(Section):
     sample_every: int = Field(
         0, ge=0, description="steps between calls of the entry's sample() hook; 0: never"
     )
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     validate_every: int = Field(
         0, ge=0, description="steps between calls of the entry's validate() hook; 0: never"
     )

@@ -21,7 +21,7 @@ from litegen.data.buckets import BucketBatchSampler
 from litegen.data.device import to_device
 from litegen.data.loader import build_dataloader, pair_collate, prepare_data
 from litegen.data.media import MediaBuckets, MediaDataset
-from litegen.data.media_files import BadFile, MediaFile, scan_media
+from litegen.data.media_files import BadFile, MediaFile, media_paths, scan_media
 from litegen.data.sampler import GlobalBatchSampler
 from litegen.data.state import data_state, load_data_state
 from litegen.data.stream import RankStream, worker_share
@@ -39,6 +39,7 @@ __all__ = [
     "build_dataloader",
     "data_state",
     "load_data_state",
+    "media_paths",
     "pair_collate",
     "prepare_data",
     "scan_media",

@@ -68,16 +68,7 @@ def scan_media(
     if on_bad not in ("skip", "error"):
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
     root = Path(root)
-    if not root.is_dir():
-        raise ValueError(f"media folder {root} does not exist or is not a folder; check the path.")
-    paths = sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file())
-    media = [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
-    if not media:
-        raise ValueError(
-            f"media folder {root} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}) or "
-            f"videos ({', '.join(sorted(VIDEO_SUFFIXES))}); put media files in it"
-            f"{'' if recursive else ' or scan it recursively'}."
-        )
+    paths, media = _listing(root, recursive)
     captions, bad = _captions(root, paths, media)
     files = []
     for path in media:
@@ -104,6 +95,33 @@ def scan_media(
         raise ValueError(f"media folder {root} has no usable file: every one is bad (see above).")
     log.info("media folder %s: %d file(s), %d skipped", root, len(files), len(bad))
     return files, bad
+
+
+def media_paths(root: str | Path, *, recursive: bool = True) -> list[Path]:
+    """The image and video files under ``root`` by name alone (nothing is opened), sorted; a
+    ``ValueError`` naming the folder when it is missing or holds none. Cheap enough to check a
+    folder before the ranks start.
+
+    Example:
+        >>> media_paths("my_media/")[:1]  # doctest: +SKIP
+        [PosixPath('my_media/clips/fox.mp4')]
+    """
+    return _listing(Path(root), recursive)[1]
+
+
+def _listing(root: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
+    """Every file under ``root``, and the media files among them."""
+    if not root.is_dir():
+        raise ValueError(f"media folder {root} does not exist or is not a folder; check the path.")
+    paths = sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file())
+    media = [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
+    if not media:
+        raise ValueError(
+            f"media folder {root} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}) or "
+            f"videos ({', '.join(sorted(VIDEO_SUFFIXES))}); put media files in it"
+            f"{'' if recursive else ' or scan it recursively'}."
+        )
+    return paths, media
 
 
 def _captions(

@@ -1,11 +1,14 @@
 """TensorBoard event files under ``<results_dir>/tensorboard`` (``trainer.loggers: [tensorboard]``).
 
-Scalars go under ``train/<name>`` (the validation loss under ``val/loss``: :func:`scalar_tag`); sample files under ``samples/<file name>``, sent as the
-encoded PNG or GIF itself (TensorBoard's image tab plays GIFs), so no video encoder is needed.
+Scalars go under ``train/<name>`` (the validation loss under ``val/loss``:
+:func:`scalar_tag`); sample files under ``samples/<file name>``, sent as the encoded PNG
+or GIF itself (TensorBoard's image tab plays GIFs); an MP4 sample goes as a GIF of its
+frames, since the image tab does not play MP4.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from PIL import Image
@@ -28,15 +31,18 @@ class TensorBoardSink:
             self.writer.add_scalar(scalar_tag(key), value, step)
 
     def media(self, step: int, files: list[Path]) -> None:
+        from litegen.trainer.media import gif_bytes  # the trainer package imports the loggers
+
         for path in files:
-            with Image.open(path) as picture:
+            encoded = gif_bytes(path) if path.suffix.lower() == ".mp4" else path.read_bytes()
+            with Image.open(io.BytesIO(encoded)) as picture:
                 width, height = picture.size
                 channels = len(picture.getbands())
             image = Summary.Image(
                 height=height,
                 width=width,
                 colorspace=channels,
-                encoded_image_string=path.read_bytes(),
+                encoded_image_string=encoded,
             )
             summary = Summary(value=[Summary.Value(tag=f"samples/{path.stem}", image=image)])
             self.writer.file_writer.add_summary(summary, step)

@@ -38,8 +38,9 @@ class WandbSink:
     def media(self, step: int, files: list[Path]) -> None:
         logged = {}
         for path in files:
-            if path.suffix.lower() == ".gif":
-                logged[f"samples/{path.stem}"] = wandb.Video(str(path), format="gif")
+            suffix = path.suffix.lower()
+            if suffix in (".gif", ".mp4"):
+                logged[f"samples/{path.stem}"] = wandb.Video(str(path), format=suffix[1:])
             else:
                 logged[f"samples/{path.stem}"] = wandb.Image(str(path))
         self.run.log(logged, step=step)

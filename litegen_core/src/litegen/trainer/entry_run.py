@@ -34,7 +34,10 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     """
     module = load_entry(entry, base_dir)
     hooks = {"sample_fn": _hook(module, "sample"), "validate_fn": _hook(module, "validate")}
-    # Before the models load: a missing hook or logger package fails in seconds.
+    # Before the models load: bad input, a missing hook or logger package fails in seconds.
+    check = _hook(module, "check_inputs")
+    if check is not None:
+        check(config)
     check_hooks(config, **hooks)
     check_loggers(config.trainer.loggers)
     gen = initialize(config)

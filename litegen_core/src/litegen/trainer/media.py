@@ -1,4 +1,5 @@
-"""Sample images and videos as files: a PNG grid of images, an animated GIF grid of videos.
+"""Sample images and videos as files: a PNG grid of images, an MP4 grid of videos (H.264 through
+PyAV), or an animated GIF where PyAV or its H.264 encoder is missing.
 
 Example:
     >>> save_samples(torch.rand(8, 3, 32, 32), Path("results/dit/samples/step_100"))
@@ -14,17 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
-MEDIA_SUFFIXES = frozenset({".png", ".gif"})
+MEDIA_SUFFIXES = frozenset({".png", ".gif", ".mp4"})
 """The files in a samples folder that reach the loggers."""
 
-GIF_FRAME_MS = 125
+FRAMES_PER_SECOND = 8
+GIF_FRAME_MS = 1000 // FRAMES_PER_SECOND
+MP4_CODEC = "libx264"  # H.264: what browsers (W&B) play
 
 
 def save_samples(samples: Any, out_dir: Path) -> list[Path]:
     """Write ``samples`` into ``out_dir`` and return the files written.
 
     ``samples``: a tensor, array or list of them; ``(N, C, H, W)`` images become
-    ``samples.png``, ``(N, C, T, H, W)`` videos ``samples.gif`` (one grid per frame); a single
+    ``samples.png``, ``(N, C, T, H, W)`` videos ``samples.mp4`` (one grid per frame; ``samples.gif``
+    without PyAV's H.264 encoder, see :func:`mp4_available`); a single
     image ``(C, H, W)`` is one sample. ``C`` is 1, 3 or 4; values in [0, 1], or in [-1, 1]
     when any is negative.
     """
@@ -37,10 +41,64 @@ def save_samples(samples: Any, out_dir: Path) -> list[Path]:
         Image.fromarray(_grid(batch)).save(path)
         return [path]
     # (N, C, T, H, W): one grid per frame.
-    frames = [Image.fromarray(_grid(batch[:, :, t])) for t in range(batch.shape[2])]
+    grids = [_grid(batch[:, :, t]) for t in range(batch.shape[2])]
+    if mp4_available():
+        path = out_dir / "samples.mp4"
+        _write_mp4(grids, path)
+        return [path]
+    frames = [Image.fromarray(grid) for grid in grids]
     path = out_dir / "samples.gif"
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
     return [path]
+
+
+def mp4_available() -> bool:
+    """True when PyAV is installed with an H.264 encoder (its wheels ship one)."""
+    try:
+        from av.codec import Codec
+
+        Codec(MP4_CODEC, "w")
+    except Exception:  # no PyAV, or an FFmpeg built without the encoder
+        return False
+    return True
+
+
+def _write_mp4(grids: list[np.ndarray], path: Path) -> None:
+    import av
+
+    height, width = grids[0].shape[:2]
+    even = (height + height % 2, width + width % 2)  # yuv420p halves both sides
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(MP4_CODEC, rate=FRAMES_PER_SECOND)
+        stream.height, stream.width = even
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}  # near-lossless: samples are looked at closely
+        for grid in grids:
+            rgb = np.zeros((*even, 3), dtype=np.uint8)
+            rgb[:height, :width] = grid[..., None] if grid.ndim == 2 else grid[..., :3]
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())  # flush the encoder
+
+
+def gif_bytes(path: Path) -> bytes:
+    """An MP4 sample re-encoded as an animated GIF in memory, for TensorBoard's image tab (which
+    plays GIFs, not MP4s).
+
+    Example:
+        >>> gif_bytes(Path("results/wan/samples/step_100/samples.mp4"))[:6]
+        b'GIF89a'
+    """
+    import io
+
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [frame.to_image() for frame in container.decode(video=0)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:],
+                   duration=GIF_FRAME_MS, loop=0)  # fmt: skip
+    return buffer.getvalue()
 
 
 def _as_batch(samples: Any) -> torch.Tensor:
@@ -73,4 +131,4 @@ def _grid(images: torch.Tensor, pad: int = 2) -> np.ndarray:
     return picture[..., 0] if c == 1 else picture
 
 
-__all__ = ["MEDIA_SUFFIXES", "save_samples"]
+__all__ = ["MEDIA_SUFFIXES", "gif_bytes", "mp4_available", "save_samples"]

@@ -1,0 +1,178 @@
+"""Exports of a fine-tuned diffusers pipeline, from a run in memory or from a run checkpoint.
+
+A run that trains the transformer of a pipeline folder (``model.pretrained``) exports either
+
+* the whole pipeline folder with the trained transformer (full fine-tuning), which
+  ``DiffusionPipeline.from_pretrained`` loads, or
+* its LoRA adapters (a LoRA run): ``<name>.lora.safetensors`` in diffusers' layout, which
+  ``pipe.load_lora_weights`` loads, and the peft folder ``<name>.peft``, which
+  ``PeftModel.from_pretrained`` loads.
+
+:func:`write_export` writes either from the transformer and its full weights; the end of a run
+calls it with the gathered weights, and :func:`export_checkpoint` (``litegen export``) with the
+weights of a ``step_<N>`` run checkpoint, read in one process without the ranks that saved it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from litegen.checkpoint.files import check_model_state, replace_dir, save_state
+from litegen.checkpoint.interop import write_diffusers_folder
+from litegen.checkpoint.step_dirs import read_config_text, read_metadata, resolve_checkpoint
+from litegen.lora import adapter_file_state, has_adapters, save_peft_folder
+from litegen.pretrained import check_pipeline_folder, load_component
+
+TRAINED = "transformer"  # the pipeline component the fine-tuning recipes train
+
+
+def write_export(
+    transformer: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    pipeline: str | Path,
+    out: str | Path,
+    *,
+    name: str,
+    lora_prefix: str = TRAINED,
+) -> Path:
+    """Write the export of ``transformer`` with the full weights ``state`` into ``out``.
+
+    With LoRA adapters on ``transformer``: ``out/<name>.lora.safetensors`` and
+    ``out/<name>.peft``. Without: ``out`` becomes the pipeline folder ``pipeline`` with
+    ``state`` as its transformer, written under a temporary name and renamed into place. Call
+    on one process.
+
+    Example:
+        >>> write_export(dit, gen.full_model_state(), "tiny_flux", "results/pipeline", name="ft")
+        PosixPath('results/pipeline')
+    """
+    out = Path(out)
+    if has_adapters(transformer):
+        out.mkdir(parents=True, exist_ok=True)
+        tensors, metadata = adapter_file_state(transformer, state, lora_prefix)
+        save_state(tensors, out / f"{name}.lora.safetensors", metadata)
+        save_peft_folder(transformer, state, out / f"{name}.peft")
+        return out
+    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    partial.mkdir(parents=True)
+    for part in Path(pipeline).iterdir():
+        if part.is_dir() and part.name != TRAINED:
+            shutil.copytree(part, partial / part.name)
+        elif part.is_file():
+            shutil.copy2(part, partial / part.name)
+    write_diffusers_folder(transformer, state, partial / TRAINED)
+    return replace_dir(partial, out)
+
+
+def checkpoint_weights(
+    model_dir: str | Path, module: nn.Module, *, ema: bool
+) -> dict[str, torch.Tensor]:
+    """The full weights of ``module`` saved in the DCP folder ``model_dir`` of a run checkpoint
+    (``step_<N>/model_0``), the EMA's where it averaged them with ``ema``. Reads in this process
+    alone, whatever the number of ranks that saved it.
+
+    Example:
+        >>> transformer.load_state_dict(checkpoint_weights("run/step_500/model_0", transformer,
+        ...                                                ema=False))
+    """
+    import torch.distributed.checkpoint as dcp
+
+    saved = read_metadata(Path(model_dir)).state_dict_metadata
+    wanted = {f"model.{k}" for k in module.state_dict()}
+    if ema:
+        wanted |= {f"ema.{k}" for k in module.state_dict()}
+        # The EMA averages what trains: each of those must be there, or the export would
+        # quietly hold the model's own weights.
+        trained = [k for k, p in module.named_parameters() if p.requires_grad]
+        missing = [k for k in trained if f"ema.{k}" not in saved]
+        if missing:
+            raise ValueError(
+                f"run checkpoint {model_dir} holds no EMA of {missing[:3]} ({len(missing)} of "
+                f"{len(trained)} trained tensors); export the model's weights with --no-ema."
+            )
+    buffers = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved.items()
+        if key in wanted and hasattr(meta, "size")
+    }
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: it is meant to
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(buffers, checkpoint_id=str(model_dir), no_dist=True)
+    state = {key[len("model.") :]: t for key, t in buffers.items() if key.startswith("model.")}
+    if ema:
+        state.update({key[len("ema.") :]: t for key, t in buffers.items() if key[:4] == "ema."})
+    check_model_state(module.state_dict(), state, model_dir)
+    return state
+
+
+def checkpoint_has_ema(model_dir: str | Path) -> bool:
+    """True when the DCP folder of a run checkpoint holds an EMA."""
+    return any(key.startswith("ema.") for key in read_metadata(Path(model_dir)).state_dict_metadata)
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path | None = None,
+    *,
+    ema: bool | None = None,
+    pipeline: str | Path | None = None,
+) -> Path:
+    """Export a fine-tuning run checkpoint like the end of the run exports (:func:`write_export`).
+
+    ``checkpoint``: a ``step_<N>`` folder, or the checkpoint_dir holding them (its latest).
+    ``out``: by default ``<checkpoint_dir>/exports/step_<N>``; an existing one is refused.
+    ``ema``: the EMA weights (default: the run's ``trainer.export_ema`` when it kept an EMA).
+    ``pipeline``: the pipeline folder the run fine-tuned (default: its ``model.pretrained``).
+    Raises ``ValueError`` or ``FileNotFoundError`` naming the path and the fix.
+
+    Example:
+        >>> export_checkpoint("results/finetune_video/step_500", "exported")
+        PosixPath('exported')
+    """
+    step_dir = resolve_checkpoint(checkpoint)
+    config = read_config_text(step_dir)
+    folder = pipeline or (config.get("model") or {}).get("pretrained")
+    if not folder:
+        raise ValueError(
+            f"run checkpoint {step_dir} fine-tunes no pipeline folder (its config has no "
+            "model.pretrained); litegen export writes the runs of recipes/finetune_*.yaml."
+        )
+    try:
+        check_pipeline_folder(folder)
+    except ValueError as err:
+        raise ValueError(f"{err} Or pass the folder the run fine-tuned: --pipeline DIR.") from None
+    out = Path(out) if out is not None else step_dir.parent / "exports" / step_dir.name
+    if out.exists():
+        raise ValueError(f"{out} already exists: pass another --out, or move it away first.")
+    model_dir = step_dir / "model_0"
+    has_ema = checkpoint_has_ema(model_dir)
+    trainer = config.get("trainer") or {}
+    use_ema = bool(trainer.get("export_ema", True)) and has_ema if ema is None else ema
+    if use_ema and not has_ema:
+        raise ValueError(
+            f"run checkpoint {step_dir} holds no EMA (ema.enable was off); drop --ema."
+        )
+    transformer = load_component(folder, TRAINED)
+    lora = (config.get("optimization") or {}).get("lora")
+    if lora:
+        from litegen.config.sections import LoRAConfig
+        from litegen.lora import apply_lora
+
+        lora = LoRAConfig.model_validate(lora)
+        apply_lora(transformer, lora)
+    state = checkpoint_weights(model_dir, transformer, ema=use_ema)
+    name = export_name(config.get("exp_name", "model"), use_ema)
+    prefix = lora.prefix if lora else TRAINED
+    return write_export(transformer, state, folder, out, name=name, lora_prefix=prefix)
+
+
+def export_name(exp_name: str, ema: bool) -> str:
+    """The file stem of a LoRA export: ``<exp_name>`` or ``<exp_name>.ema``."""
+    return f"{exp_name}{'.ema' if ema else ''}"
