@@ -137,3 +137,85 @@ def test_inspect_config_reports_what_the_ranks_would_refuse(tmp_path, overrides,
     result = inspect(recipe(tmp_path), *overrides)
     assert result.exit_code == 2, result.output
     assert expected in result.output
+
+
+def test_checkpointing_of_no_block_warns_naming_the_field_and_the_fix(tmp_path, caplog):
+    """The default selective_ratio (1.0) checkpoints nothing: the config says so when it loads,
+    prepare names the model and its block count, and inspect-config lists it."""
+    import torch
+
+    import litegen
+    from tests.unit.memory_nets import make_net
+
+    on = {"memory": {"activation_checkpoint": {"enabled": True}}}
+    with pytest.warns(IgnoredOptionWarning, match=r"activation_checkpoint\.selective_ratio: 0"):
+        config = MainConfig.from_dict({"runtime": {"device": "cpu"}, "optimization": on})
+    ac = config.optimization.memory.activation_checkpoint
+    assert (ac.checkpointed_blocks(28), ac.checkpoints_nothing() is not None) == (0, True)
+    gen = litegen.initialize(config)
+    model = make_net()
+    with caplog.at_level("WARNING", logger="litegen"):
+        gen.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (line,) = [r.getMessage() for r in caplog.records if "checkpointing of 0 of" in r.getMessage()]
+    assert "enabled: false" in line
+    result = inspect(recipe(tmp_path), "optimization.memory.activation_checkpoint.enabled=true")
+    assert result.exit_code == 0, result.output
+    assert "so no block is checkpointed" in result.output
+    # A ratio that checkpoints blocks, or checkpointing off, says nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredOptionWarning)
+        half = {"memory": {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.5}}}
+        config = MainConfig.from_dict({"optimization": half})
+        MainConfig.from_dict({})
+    assert config.optimization.memory.activation_checkpoint.checkpointed_blocks(28) == 14
+
+
+COMBINATIONS = [
+    (
+        ["optimization.parallel.strategy=fsdp1", "optimization.parallel.sp_size=2"],
+        "field 'optimization.parallel.sp_size': 2 does not work with "
+        "optimization.parallel.strategy ('fsdp1'): fsdp1 has no sequence-parallel layout",
+    ),
+    (
+        [
+            "optimization.memory.activation_checkpoint.enabled=true",
+            "optimization.memory.activation_checkpoint.policy=memory_budget",
+        ],
+        "field 'optimization.memory.activation_checkpoint.policy': 'memory_budget' does not "
+        "work with optimization.compile.enabled (False): policy memory_budget is carried out",
+    ),
+    (
+        [
+            "optimization.memory.activation_checkpoint.enabled=true",
+            "optimization.memory.activation_checkpoint.selective_ratio=auto",
+        ],
+        "with runtime.device ('cpu'): selective_ratio auto takes a fraction of the device's",
+    ),
+    (
+        [
+            "trainer.export_diffusers=true",
+            "optimization.lora.rank=2",
+            "optimization.lora.target_modules=[to_q]",
+        ],
+        "field 'trainer.export_diffusers': True does not work with optimization.lora (set)",
+    ),
+    (
+        ["optimization.profiles.long.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
+        "field 'optimization.profiles.long.parallel.sp_size': 2 does not work with "
+        "optimization.profiles.long.parallel.strategy ('fsdp1')",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), COMBINATIONS)
+def test_settings_that_do_not_work_together_are_refused_before_the_ranks_start(
+    tmp_path, overrides, expected
+):
+    """One line naming both fields and the fix, from inspect-config and launch (exit 2)."""
+    path = recipe(tmp_path)
+    result = inspect(path, *overrides)
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split()), result.output
+    launched = CliRunner().invoke(app, ["launch", str(path), *overrides])
+    assert launched.exit_code == 2, launched.output
+    assert not (tmp_path / "results").exists()  # refused before any rank started

@@ -14,8 +14,12 @@ The user's optimizer, built on ``model.parameters()`` before ``prepare``, is reb
 frozen parameters leave the groups; hyperparameters and LR schedulers stay valid.
 
 Adapter files hold peft's keys (those of ``get_peft_model_state_dict``: the adapter name
-removed) under ``<prefix>.`` and diffusers' ``lora_adapter_metadata`` header (rank, alpha,
-targets), so ``pipe.load_lora_weights(path)`` or ``model.load_lora_adapter(path)`` load them.
+removed) under ``<prefix>.`` and diffusers' ``lora_adapter_metadata`` header (rank, targets).
+Each ``lora_B`` holds its layer's scale (``alpha / rank``) multiplied in, and the header says
+alpha = rank: loaders that read the header (``pipe.load_lora_weights``) and those that do not
+(``model.load_lora_adapter(path)``, which then takes alpha = rank) give the trained model's
+outputs. :func:`save_peft_folder` writes peft's own layout instead (the true alpha, the
+weights as trained), for ``PeftModel.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ PEFT_MISSING = (
 METADATA_KEY = "lora_adapter_metadata"
 # Prefix of parameter names inside a ``peft.PeftModel`` (``get_peft_model``'s wrapper).
 _PEFT_MODEL_PREFIX = "base_model.model."
+# The files of a peft adapter folder (peft.utils.constants).
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 
 
 def _peft() -> Any:
@@ -203,27 +210,84 @@ def _exported_names(model: nn.Module) -> dict[str, str]:
     }
 
 
+def _scales(model: nn.Module, adapter: str) -> dict[str, float]:
+    """Export path of each adapted layer (``blocks.0.attn.to_q``) -> the scale peft applies
+    to its adapter's output (``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {
+        export_key(name, adapter): float(module.scaling[adapter])
+        for name, module in model.named_modules()
+        if isinstance(module, BaseTunerLayer) and adapter in getattr(module, "scaling", {})
+    }
+
+
+def _scale_of(key: str, scales: Mapping[str, float]) -> float:
+    """The factor a file key's tensor carries: its layer's scale for ``lora_B``, else 1."""
+    layer, sep, _ = key.partition(".lora_B.")
+    return scales.get(layer, 1.0) if sep else 1.0
+
+
 def adapter_file_state(
     model: nn.Module, state: Mapping[str, torch.Tensor], prefix: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The adapter tensors of ``state`` keyed for diffusers, and the file's metadata.
 
     ``model`` is the user's (unwrapped) module that names the adapters; ``state`` holds at
-    least their full values, keyed by the model's state-dict names.
+    least their full values, keyed by the model's state-dict names. Each ``lora_B`` is
+    multiplied by its layer's scale and the metadata says alpha = rank (scale 1), so the file
+    means the same to loaders that read the metadata and to those that do not.
 
     Example:
         >>> tensors, metadata = adapter_file_state(dit, gathered, prefix="transformer")
         >>> next(iter(tensors))
         'transformer.transformer_blocks.0.attn1.to_q.lora_A.weight'
     """
-    names = _exported_names(model)
-    tensors = {f"{prefix}.{key}": state[name] for key, name in names.items()}
+    adapter = _adapter_name(model)
+    scales = _scales(model, adapter)
+    tensors = {}
+    for key, name in _exported_names(model).items():
+        scale = _scale_of(key, scales)
+        tensors[f"{prefix}.{key}"] = state[name] * scale if scale != 1.0 else state[name]
     metadata = {"format": "pt"}
-    config = getattr(model, "peft_config", {}).get(_adapter_name(model))
+    config = getattr(model, "peft_config", {}).get(adapter)
     if config is not None:
-        packed = {f"{prefix}.{k}": _json_safe(v) for k, v in config.to_dict().items()}
+        fields = config.to_dict()
+        # The scales are in the weights: alpha = rank everywhere.
+        fields.update(
+            lora_alpha=fields["r"], alpha_pattern=dict(fields["rank_pattern"]), use_rslora=False
+        )
+        packed = {f"{prefix}.{k}": _json_safe(v) for k, v in fields.items()}
         metadata[METADATA_KEY] = json.dumps(packed, indent=2, sort_keys=True)
     return tensors, metadata
+
+
+def save_peft_folder(model: nn.Module, state: Mapping[str, torch.Tensor], folder: Path) -> Path:
+    """Write ``model``'s adapters as a peft folder: ``adapter_config.json`` (the true rank and
+    alpha) and ``adapter_model.safetensors`` (the weights as trained), which
+    ``peft.PeftModel.from_pretrained(base_model, folder)`` loads. Call on one rank.
+
+    Example:
+        >>> save_peft_folder(dit, gen.full_model_state(model), Path("run.peft"))
+    """
+    from litegen.checkpoint.files import save_state
+
+    adapter = _adapter_name(model)
+    config = getattr(model, "peft_config", {}).get(adapter)
+    if config is None:
+        raise ValueError(
+            f"{type(model).__name__}'s adapters carry no peft config (peft_config); a peft "
+            "folder needs one: apply them with optimization.lora, add_adapter or get_peft_model."
+        )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"{_PEFT_MODEL_PREFIX}{key}": state[name] for key, name in _exported_names(model).items()
+    }
+    save_state(tensors, folder / PEFT_WEIGHTS_NAME, {"format": "pt"})
+    fields = {k: _json_safe(v) for k, v in config.to_dict().items()}
+    (folder / PEFT_CONFIG_NAME).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    return folder
 
 
 def _json_safe(value: Any) -> Any:
@@ -244,6 +308,7 @@ def model_keyed(
         >>> model_keyed(dit, load_state("dit.lora.safetensors"), "transformer", path)
     """
     names = _exported_names(model)
+    scales = _scales(model, _adapter_name(model))
     given = {key.removeprefix(f"{prefix}."): value for key, value in state.items()}
     missing = sorted(set(names) - set(given))
     unexpected = sorted(set(given) - set(names))
@@ -253,4 +318,5 @@ def model_keyed(
             f"missing {missing[:5]}, unexpected {unexpected[:5]}. Was it saved with the same "
             "optimization.lora (rank, target_modules, prefix)?"
         )
-    return {names[key]: value for key, value in given.items()}
+    # The file's lora_B carry their layer's scale (adapter_file_state); the model applies it.
+    return {names[key]: value / _scale_of(key, scales) for key, value in given.items()}

@@ -34,7 +34,13 @@ from litegen.checkpoint.interop import (
 )
 from litegen.checkpoint.run_state import Trainable
 from litegen.ema import persistent_buffers
-from litegen.lora import adapter_file_state, has_adapters, is_adapter_file, model_keyed
+from litegen.lora import (
+    adapter_file_state,
+    has_adapters,
+    is_adapter_file,
+    model_keyed,
+    save_peft_folder,
+)
 
 if TYPE_CHECKING:
     from litegen.runtime.prepare import PreparedModel
@@ -203,6 +209,42 @@ class CheckpointAPI:
             path = self._path("ema_lora", output_folder, filename, step)
             return self._write_adapters(entry, self.ema.state_dict(), path)
         return self._write(self.full_ema_state(), self._path("ema", output_folder, filename, step))
+
+    def save_lora_peft(
+        self,
+        output_folder: str | Path | None = None,
+        *,
+        ema: bool = False,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """Write the LoRA adapters (the EMA's with ``ema=True``) as a peft folder:
+        ``adapter_config.json`` and ``adapter_model.safetensors``. Call on every rank.
+
+        The default folder is ``<checkpoint_dir>/<exp_name>.peft`` (``.ema.peft``).
+
+        Example:
+            >>> folder = gen.save_lora_peft()
+            >>> PeftModel.from_pretrained(base_model, folder)  # the trained model's outputs
+        """
+        entry = self._entry(model)
+        if not has_adapters(entry.module):
+            raise ValueError(
+                "save_lora_peft writes LoRA adapters, and this model has none; set "
+                "optimization.lora, or write the whole model with save_model or save_diffusers."
+            )
+        if ema and self.ema is None:
+            raise ValueError("save_lora_peft(ema=True) needs ema.enable: true.")
+        if ema:
+            state = self.ema.state_dict()
+        else:
+            state = entry.strategy.full_model_state(entry.module, trainable_only=True)
+        name = f"{self.config.exp_name}{'.ema' if ema else ''}.peft"
+        folder = Path(output_folder or Path(self.config.get_checkpoint_dir()) / name)
+        if self.is_main_process:
+            save_peft_folder(entry.strategy.unwrap(entry.module), state, folder)
+            log.info("saved %s", folder)
+        dist.barrier()
+        return folder
 
     def full_ema_state(self) -> dict[str, torch.Tensor]:
         """The whole EMA model state on CPU, keyed like the model. Call on every rank.

@@ -158,6 +158,7 @@ class Config(BaseModel):
         except ValidationError as exc:
             problems = found + ConfigError.from_validation_error(type(self), exc).problems
             raise ConfigError(problems) from None
+        found += self.combination_problems()
         if found:
             raise ConfigError(found)
 
@@ -175,6 +176,7 @@ class Config(BaseModel):
         except ValidationError as exc:
             problems = found + ConfigError.from_validation_error(cls, exc).problems
             raise ConfigError(problems) from None
+        found += result.combination_problems()
         if found:
             raise ConfigError(found)
         return result
@@ -183,6 +185,11 @@ class Config(BaseModel):
     def whole_config_problems(cls, data: Any) -> list[tuple[str, str]]:
         """``(path, message)`` problems of the raw input that no field validator sees (none
         here); listed with pydantic's, so every problem is reported at once."""
+        return []
+
+    def combination_problems(self) -> list[tuple[str, str]]:
+        """``(path, message)`` problems of valid fields that do not work together (none here);
+        checked once every field is valid, and listed with the raw input's problems."""
         return []
 
     @model_validator(mode="after")

@@ -5,14 +5,22 @@
   would otherwise silently use the default.
 - An option that only some strategies read (``litegen.parallel.STRATEGY_OPTIONS``), set away
   from its default while the chosen strategy ignores it, is a warning naming both.
+- ``activation_checkpoint.enabled: true`` with ``selective_ratio: 1.0`` (the default, meaning
+  no block) is a warning naming the field and the fix.
+- Two settings that do not work together (:data:`UNSUPPORTED`, the one table of such rules)
+  are an error naming both fields and the fix, so ``inspect-config`` and ``launch`` refuse the
+  config before any rank starts.
 
 Like the rest of :mod:`litegen.config`, this module never imports torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from litegen.parallel import STRATEGY_OPTIONS
 
@@ -132,7 +140,8 @@ def _describe(path: str, value: Any, strategies: list[str], readers: tuple[str, 
 
 
 def ignored_options(config: Any) -> list[str]:
-    """One line per set option that no strategy of ``config`` reads (see the module docs).
+    """One line per set option that no strategy of ``config`` reads, or that does nothing
+    (activation checkpointing of no block); see the module docs.
 
     An option of the general ``optimization`` section counts as read when the general strategy
     or any profile's strategy reads it (profiles inherit it); an option set in a profile, when
@@ -162,6 +171,7 @@ def ignored_options(config: Any) -> list[str]:
             changed = _changed(top, type(top)(), dotted, section_name)
             strategies = [optimization.parallel.strategy]
         lines += [_describe(path, value, strategies, readers) for path, value in changed.items()]
+    lines += inert_checkpointing(optimization, profiles)
     for name, profile in optimization.profiles.items():
         strategy = profiles[name].parallel.strategy
         written = _leaves(profile.to_dict(), f"optimization.profiles.{name}")
@@ -176,3 +186,119 @@ def ignored_options(config: Any) -> list[str]:
                 if path == prefix or path.startswith(prefix + ".")
             ]
     return lines
+
+
+def inert_checkpointing(optimization: Any, profiles: Mapping[str, Any]) -> list[str]:
+    """A line for the general section and each resolved profile whose activation
+    checkpointing is enabled but checkpoints no block (``selective_ratio: 1.0``)."""
+    sections = {"optimization": optimization}
+    sections.update({f"optimization.profiles.{n}": p for n, p in profiles.items()})
+    lines = []
+    general = optimization.memory.activation_checkpoint
+    for where, section in sections.items():
+        ac = section.memory.activation_checkpoint
+        if where != "optimization" and ac == general:
+            continue  # inherited: the general section's line covers it
+        line = ac.checkpoints_nothing(f"{where}.memory.activation_checkpoint")
+        if line is not None:
+            lines.append(line)
+    return lines
+
+
+# --------------------------------------------------------------------------- combinations
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Two settings that do not work together. ``fields`` are dotted paths from the config's
+    root; those under ``optimization.`` are checked in every profile too. ``applies`` gets the
+    config and one resolved ``optimization`` section."""
+
+    fields: tuple[str, str]
+    applies: Callable[[Any, Any], bool]
+    fix: str
+
+
+def _ac(opt: Any) -> Any:
+    return opt.memory.activation_checkpoint
+
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported(
+        ("optimization.parallel.sp_size", "optimization.parallel.strategy"),
+        lambda cfg, opt: opt.parallel.sp_size > 1 and opt.parallel.strategy == "fsdp1",
+        "fsdp1 has no sequence-parallel layout; use strategy fsdp2 (or ddp, zero1, zero2, "
+        "hsdp), or sp_size: 1",
+    ),
+    Unsupported(
+        ("optimization.memory.activation_checkpoint.policy", "optimization.compile.enabled"),
+        lambda cfg, opt: (
+            _ac(opt).enabled and _ac(opt).policy == "memory_budget" and not opt.compile.enabled
+        ),
+        "policy memory_budget is carried out by torch.compile's partitioner; set "
+        "compile.enabled: true, or use policy ops (or block) without compile",
+    ),
+    Unsupported(
+        ("optimization.memory.activation_checkpoint.selective_ratio", "runtime.device"),
+        lambda cfg, opt: (
+            _ac(opt).enabled
+            and _ac(opt).selective_ratio == "auto"
+            and _ac(opt).memory_budget_gib is None
+            and cfg.runtime.device == "cpu"
+        ),
+        "selective_ratio auto takes a fraction of the device's memory, and a cpu has none to "
+        "measure; set activation_checkpoint.memory_budget_gib",
+    ),
+    Unsupported(
+        ("trainer.export_diffusers", "optimization.lora"),
+        lambda cfg, opt: cfg.trainer.export_diffusers and opt.lora is not None,
+        "export_diffusers writes whole models, and a LoRA run's adapter files are already in "
+        "diffusers' layout; turn export_diffusers off (gen.save_lora_peft writes a peft folder)",
+    ),
+)
+
+
+def _value(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return getattr(root, "value", root)  # an Enum's value
+
+
+def combination_problems(config: Any) -> list[tuple[str, str]]:
+    """``(field, message)`` for each :data:`UNSUPPORTED` pair a config sets, in the general
+    ``optimization`` section or a profile (profiles inheriting the general problem are not
+    repeated).
+
+    >>> cfg = MainConfig(optimization={"parallel": {"sp_size": 2, "strategy": "fsdp1"}})  # doctest: +SKIP
+    ConfigError: ... field 'optimization.parallel.sp_size': 2 does not work with
+    optimization.parallel.strategy ('fsdp1'): fsdp1 has no sequence-parallel layout; ...
+    """
+    optimization = config.optimization
+    sections = {"optimization": optimization}
+    sections.update(
+        {f"optimization.profiles.{n}": optimization.resolve(n) for n in optimization.profiles}
+    )
+    problems: list[tuple[str, str]] = []
+    for rule in UNSUPPORTED:
+        general = None
+        for where, opt in sections.items():
+            if not rule.applies(config, opt):
+                continue
+            paths = [
+                f"{where}{f.removeprefix('optimization')}" if f.startswith("optimization.") else f
+                for f in rule.fields
+            ]
+            values = [
+                _value(opt, f.removeprefix("optimization."))
+                if f.startswith("optimization.")
+                else _value(config, f)
+                for f in rule.fields
+            ]
+            if general == values:
+                continue  # a profile inheriting the general section's problem
+            general = general or (values if where == "optimization" else None)
+            shown = ["set" if isinstance(v, BaseModel) else repr(v) for v in values]
+            problems.append(
+                (paths[0], f"{shown[0]} does not work with {paths[1]} ({shown[1]}): {rule.fix}.")
+            )
+    return problems

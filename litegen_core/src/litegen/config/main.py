@@ -24,7 +24,12 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from litegen.config.base import Config, ConfigError
-from litegen.config.checks import IgnoredOptionWarning, ignored_options, typo_problems
+from litegen.config.checks import (
+    IgnoredOptionWarning,
+    combination_problems,
+    ignored_options,
+    typo_problems,
+)
 from litegen.config.sections import (
     OptimizationConfig,
     RuntimeConfig,
@@ -120,14 +125,9 @@ class MainConfig(Config):
             warnings.warn(line, IgnoredOptionWarning, stacklevel=2)
         return self
 
-    @model_validator(mode="after")
-    def _export_whole_models(self) -> MainConfig:
-        if self.trainer.export_diffusers and self.optimization.lora is not None:
-            raise ValueError(
-                "trainer.export_diffusers writes whole models, and optimization.lora trains "
-                "adapters, whose files are already in diffusers' layout; turn one off"
-            )
-        return self
+    def combination_problems(self) -> list[tuple[str, str]]:
+        """Settings that do not work together (``litegen.config.checks.UNSUPPORTED``)."""
+        return combination_problems(self)
 
     # ------------------------------------------------------------------ constructors
 

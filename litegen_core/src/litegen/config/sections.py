@@ -7,6 +7,7 @@ each file readable. It must never import torch (the CLI imports it for fast vali
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -150,6 +151,16 @@ class CompileConfig(Section):
     ``coordinate_descent_tuning: true``; torch allows them only with ``mode: default``."""
 
 
+def blocks_to_checkpoint(selective_ratio: float, candidates: int) -> int:
+    """How many of ``candidates`` blocks a numeric ``selective_ratio`` checkpoints: all but
+    ``round(selective_ratio * candidates)`` (halves rounded up), so 1.0 checkpoints none.
+
+    >>> blocks_to_checkpoint(0.2, 28), blocks_to_checkpoint(1.0, 28), blocks_to_checkpoint(0, 28)
+    (22, 0, 28)
+    """
+    return candidates - math.floor(selective_ratio * candidates + 0.5)
+
+
 class ActivationCheckpointConfig(Section):
     """Activation checkpointing (``optimization.memory.activation_checkpoint``)."""
 
@@ -207,6 +218,39 @@ class ActivationCheckpointConfig(Section):
                 "with the checkpoint inside compile; set inside_compile: true, or policy: block."
             )
         return self
+
+    def checkpointed_blocks(self, candidates: int) -> int | None:
+        """How many of a model's ``candidates`` blocks get checkpointed (``target_paths``, when
+        set, are the candidates); None when decided later (``selective_ratio: auto`` on the first
+        step, ``policy: memory_budget`` by compile's partitioner).
+
+        >>> ActivationCheckpointConfig(enabled=True).checkpointed_blocks(28)  # ratio 1.0
+        0
+        """
+        if not self.enabled:
+            return 0
+        if self.selective_ratio == "auto" or self.policy == "memory_budget":
+            return None
+        n = len(self.target_paths) if self.target_paths else candidates
+        return blocks_to_checkpoint(self.selective_ratio, n)
+
+    def checkpoints_nothing(
+        self, where: str = "optimization.memory.activation_checkpoint"
+    ) -> str | None:
+        """The warning for ``enabled: true`` with ``selective_ratio: 1.0`` (the default), which
+        checkpoints no block of any model; None otherwise. ``where`` is the section's path.
+
+        >>> ActivationCheckpointConfig(enabled=True).checkpoints_nothing()[:46]
+        'optimization.memory.activation_checkpoint.enab'
+        """
+        if not self.enabled or self.policy == "memory_budget" or self.selective_ratio != 1.0:
+            return None
+        return (
+            f"{where}.enabled is true, but selective_ratio is 1.0 (the default: the share of "
+            f"blocks left uncheckpointed), so no block is checkpointed; set {where}."
+            "selective_ratio: 0 to checkpoint every block (0.5 for half, auto to fit a memory "
+            "budget), or enabled: false."
+        )
 
 
 class MemoryConfig(Section):

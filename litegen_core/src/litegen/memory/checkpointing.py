@@ -16,7 +16,6 @@ each stretch of ``n / k`` blocks ends with a checkpointed one (4 blocks at 0.5: 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from litegen.config.sections import blocks_to_checkpoint
 from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.module_paths import submodules_at
 
@@ -129,7 +129,7 @@ def select_evenly(paths: Sequence[str], selective_ratio: float) -> list[str]:
             "(0: checkpoint every block, 1: none)."
         )
     n = len(paths)
-    return spread_evenly(paths, n - math.floor(selective_ratio * n + 0.5))  # round half up
+    return spread_evenly(paths, blocks_to_checkpoint(selective_ratio, n))
 
 
 def spread_evenly(paths: Sequence[str], k: int) -> list[str]:

@@ -134,6 +134,20 @@ class Fsdp2Strategy(Strategy):
         # fully_shard changes the module's class in place; there is no wrapper to peel off.
         return model
 
+    def reshard(self, model: nn.Module) -> None:
+        # The root keeps its parameters gathered after a forward (reshard_after_forward's
+        # default for it), as plain tensors in place of the DTensor shards; loading a state
+        # into them would mix the two, and writing them would be undone by the next gather.
+        for sub in model.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+    def load_full_model_state(
+        self, model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True
+    ) -> None:
+        self.reshard(model)
+        super().load_full_model_state(model, state, strict=strict)
+
     def checkpoint_candidates(self, model: nn.Module) -> list[str]:
         """The planned sharding units, outermost callable ones, in forward order, so that a
         checkpointed region is one unit's forward (its all-gather runs outside the recompute)."""

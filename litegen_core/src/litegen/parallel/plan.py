@@ -64,11 +64,6 @@ class ParallelPlan:
                 f"optimization.parallel.sp_size={sp_size} must divide the world size "
                 f"{env.world_size}; launch a multiple of {sp_size} ranks or change sp_size."
             )
-        if sp_size > 1 and strategy == "fsdp1":
-            raise ValueError(
-                "optimization.parallel.sp_size > 1 is not supported with strategy 'fsdp1'; use "
-                "fsdp2 (or ddp, zero1, zero2, hsdp)."
-            )
         if strategy == "hsdp" and env.nnodes < 2:
             raise ValueError(
                 "optimization.parallel.strategy 'hsdp' replicates across nodes and needs at "

@@ -26,7 +26,13 @@ from litegen.memory import apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
 from litegen.runtime import distributed
-from litegen.runtime.prepare import PreparedModel, fqns_of, is_trainable, kind_of, owner_of
+from litegen.runtime.prepare import (
+    PreparedModel,
+    fqns_of,
+    kind_of,
+    owner_of,
+    trained_models,
+)
 
 log = logging.getLogger("litegen")
 
@@ -67,6 +73,7 @@ class LiteGen(CheckpointAPI):
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
         self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
+        self._warned_inert = False  # activation checkpointing of no block, said once
         # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
         lora = config.optimization.lora
         self.lora_prefix = lora.prefix if lora is not None else "transformer"
@@ -91,7 +98,8 @@ class LiteGen(CheckpointAPI):
         Models, optimizers, datasets and DataLoaders are accepted; a dataset becomes a
         DataLoader over the global-batch sampler, a DataLoader keeps its own sampler (split
         between the ranks), an iterable dataset streams (docs/data.md). One argument returns
-        one object.
+        one object. Models that no optimizer of the call steps (a VAE, a text encoder) come
+        back frozen and unwrapped; :func:`litegen.runtime.prepare.trained_models` has the rule.
 
         Example:
             >>> model, optimizer, vae, loader = gen.prepare(model, optimizer, vae, dataset)
@@ -120,15 +128,16 @@ class LiteGen(CheckpointAPI):
             for i, obj in enumerate(objects)
             if kinds[i] == "optimizer"
         }
-        self._adapt(raw_models, optimization)
+        trained = trained_models(raw_models, owners.values())
+        self._adapt(raw_models, trained, optimization)
         for i, owner in owners.items():
             if has_adapters(raw_models[owner]):
                 train_adapters(objects[i], raw_models[owner])
         fqns = [fqns_of(m) for m in raw_models]  # after LoRA renamed the adapted weights
         lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
-        for slot, model in zip(model_slots, raw_models, strict=True):
-            entry = self._prepare_model(model, strategy, optimization, lab)
+        for slot, model, train in zip(model_slots, raw_models, trained, strict=True):
+            entry = self._prepare_model(model, train, strategy, optimization, lab)
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -155,7 +164,7 @@ class LiteGen(CheckpointAPI):
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
 
-    def _adapt(self, raw_models: list[nn.Module], optimization) -> None:
+    def _adapt(self, raw_models: list[nn.Module], trained: list[bool], optimization) -> None:
         """``optimization.lora``: adapters on the job's first trainable model (litegen.lora).
 
         Before checkpointing, compile and the strategy's wrap, which must all see the adapter
@@ -163,7 +172,7 @@ class LiteGen(CheckpointAPI):
         """
         if optimization.lora is None or any(m.trainable for m in self.models):
             return
-        target = next((m for m in raw_models if is_trainable(m)), None)
+        target = next((m for m, t in zip(raw_models, trained, strict=True) if t), None)
         if target is not None:
             apply_lora(target, optimization.lora)
             self.lora_prefix = optimization.lora.prefix
@@ -183,7 +192,9 @@ class LiteGen(CheckpointAPI):
         if ema_cfg.resume_from:
             self._load_ema(entry, ema_cfg.resume_from)
 
-    def _prepare_model(self, model: nn.Module, strategy, optimization, lab) -> PreparedModel:
+    def _prepare_model(
+        self, model: nn.Module, trained: bool, strategy, optimization, lab
+    ) -> PreparedModel:
         precision = optimization.precision
         if precision.cast_model:
             cast_model(model, precision.cast_model, precision.cast_exclude_paths)
@@ -193,7 +204,7 @@ class LiteGen(CheckpointAPI):
             apply_fused_layernorm(model)
         if lab is not None:
             lab.swap_modules(model)
-        if is_trainable(model):
+        if trained:
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
@@ -208,12 +219,8 @@ class LiteGen(CheckpointAPI):
                 candidates=strategy.checkpoint_candidates(model),
                 device=self.device,
             )
-            if memory.memory_budget is not None and not optimization.compile.enabled:
-                raise ValueError(
-                    "optimization.memory.activation_checkpoint.policy memory_budget is carried "
-                    "out by torch.compile's partitioner; set optimization.compile.enabled: true, "
-                    "or use policy ops (or block) without compile."
-                )
+            self._warn_inert_checkpointing(model, optimization, memory)
+            # policy memory_budget without compile was refused with the config (config/checks).
             if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
                 log.info("%s: %s", type(model).__name__, memory.describe())
             if optimization.compile.enabled:
@@ -233,6 +240,21 @@ class LiteGen(CheckpointAPI):
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
         return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
+
+    def _warn_inert_checkpointing(self, model: nn.Module, optimization, memory) -> None:
+        """Once per job, on rank 0: checkpointing is on and checkpoints no block (the config's
+        own warning said so when it loaded; this names the model and its block count)."""
+        inert = optimization.memory.activation_checkpoint.checkpoints_nothing()
+        if inert is None or not memory.candidates or self._warned_inert:
+            return
+        self._warned_inert = True
+        if self.is_main_process:
+            log.warning(
+                "%s: activation checkpointing of 0 of %d blocks. %s",
+                type(model).__name__,
+                len(memory.candidates),
+                inert,
+            )
 
     def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
         """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.

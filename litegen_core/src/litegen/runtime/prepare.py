@@ -7,6 +7,7 @@ come back in the order the arguments were given.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,24 @@ def preparable_kind(obj: Any) -> str | None:
 
 def is_trainable(model: nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters())
+
+
+def trained_models(models: list[nn.Module], optimizer_owners: Iterable[int]) -> list[bool]:
+    """Which of one ``prepare`` call's models are trained; the others are frozen.
+
+    A model is trained when some parameter requires grad and, if the call passes optimizers,
+    one of them steps it. So ``prepare(model, optimizer, vae, dataset)`` trains ``model`` and
+    freezes ``vae``; ``prepare(model)`` alone trains ``model`` (an optimizer built afterwards on
+    the prepared parameters). Freeze a model prepared on its own with ``requires_grad_(False)``.
+    A frozen model is never wrapped or sharded: it comes back as the same module, on the device,
+    in eval mode, with ``requires_grad`` off (``Strategy.wrap_frozen_model``).
+
+    Example:
+        >>> trained_models([model, vae], optimizer_owners=[0])
+        [True, False]
+    """
+    owners = set(optimizer_owners)
+    return [is_trainable(m) and (not owners or i in owners) for i, m in enumerate(models)]
 
 
 def owner_of(optimizer: torch.optim.Optimizer, position: int, models: list[nn.Module]) -> int:

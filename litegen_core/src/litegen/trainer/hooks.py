@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.runtime.litegen import LiteGen
@@ -203,28 +202,18 @@ def ema_weights(gen: LiteGen) -> Iterator[None]:
     entry = next(m for m in gen.models if m.trainable)
     module = entry.module
     with torch.no_grad():
-        # The tensor objects themselves: a sharded wrapper may show other (unsharded) ones
-        # after a forward, but it gathers from these.
+        # At rest first: after a forward (a validate hook's) fsdp2 shows gathered copies in
+        # place of the shards, which are what it gathers from and what is saved here.
+        entry.strategy.reshard(module)
         own = [(t, t.detach().clone()) for t in [*module.parameters(), *module.buffers()]]
         entry.strategy.load_full_model_state(module, gen.ema.state_dict(), strict=False)
     try:
         yield
     finally:
         with torch.no_grad():
-            _reshard(module)
+            entry.strategy.reshard(module)  # drop the EMA's gathered copies
             for tensor, saved in own:
                 tensor.detach().copy_(saved)
-
-
-def _reshard(module: nn.Module) -> None:
-    """Drop FSDP2's gathered parameters, so the next forward gathers the restored shards."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
 
 
 __all__ = ["TrainingHooks", "check_hooks", "ema_weights", "keyword_filter"]
