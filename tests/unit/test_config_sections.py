@@ -46,6 +46,7 @@ def test_defaults_of_every_field() -> None:
                     "root_reshard_after_forward": None,
                     "last_unit_reshard_after_forward": None,
                     "allow_empty_param_unit_sharding": False,
+                    "cpu_offload": False,
                 },
                 "sp_size": 1,
                 "cp_size": 1,

@@ -68,6 +68,10 @@ class FSDP2Config(Section):
     root_reshard_after_forward: bool | int | None = None
     last_unit_reshard_after_forward: bool | int | None = None
     allow_empty_param_unit_sharding: bool = False
+    cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory
+    (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA): each unit is copied to the device for its
+    forward and backward, and the optimizer steps on the host. Works on one rank too."""
 
 
 class ParallelConfig(Section):
