@@ -83,6 +83,7 @@ def test_defaults_of_every_field() -> None:
                 },
                 "activation_offload": False,
                 "mlp_chunk_tokens": None,
+                "block_swap": None,
             },
             "kernels": {"fused_layernorm": False, "attention_backend": "auto"},
             "experimental": {

@@ -257,6 +257,14 @@ class ActivationCheckpointConfig(Section):
         )
 
 
+class BlockSwapConfig(Section):
+    """Frozen base weights streamed from host memory (``optimization.memory.block_swap``)."""
+
+    blocks_on_device: int = Field(0, ge=0)
+    """Repeated blocks (the first, in forward order) whose frozen weights stay on the device;
+    the others' wait in pinned host memory and are copied in ahead of each use."""
+
+
 class MemoryConfig(Section):
     """Memory savers (``optimization.memory``)."""
 
@@ -272,6 +280,10 @@ class MemoryConfig(Section):
     """Linear-GELU(tanh)-Linear MLPs keep only their input for backward and run this many tokens
     at a time, recomputing their hidden activation in backward (``litegen.memory.chunked_mlp``):
     for long sequences, where those wide activations set the peak; one more GEMM per MLP."""
+    block_swap: BlockSwapConfig | None = None
+    """Under LoRA, keep the frozen base weights of all but ``blocks_on_device`` repeated blocks
+    in pinned host memory and stream them in ahead of use (``litegen.memory.block_swap``);
+    ``null``: every weight on the device."""
 
 
 class KernelsConfig(Section):

@@ -22,7 +22,7 @@ from litegen.config import MainConfig
 from litegen.data import prepare_data
 from litegen.ema import EMA
 from litegen.lora import apply_lora, has_adapters, train_adapters
-from litegen.memory import apply_memory_optimizations
+from litegen.memory import BlockSwap, apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
 from litegen.runtime import distributed
@@ -212,6 +212,13 @@ class LiteGen(CheckpointAPI):
                 template = copy.deepcopy(model)
             if strategy.plan.sp_size > 1:
                 self._apply_sequence_parallel(model, strategy.plan)
+            # Block swap patches the blocks' forward first, so that checkpointing wraps it and
+            # its recompute fetches the weights again (litegen/memory/block_swap.py).
+            swap = None
+            if optimization.memory.block_swap is not None:
+                swap = BlockSwap(
+                    model, optimization.memory.block_swap.blocks_on_device, self.device
+                )
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(
                 model,
@@ -236,6 +243,15 @@ class LiteGen(CheckpointAPI):
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
+            if swap is not None:  # the model is on the device once, wrapped; now move out
+                swap.to_host()
+                memory.block_swap = swap
+                log.info(
+                    "%s: block swap: frozen weights of %d of %d blocks in host memory",
+                    type(model).__name__,
+                    len(swap.swapped),
+                    len(swap.blocks),
+                )
             return PreparedModel(
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )
