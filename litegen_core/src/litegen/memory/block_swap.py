@@ -70,20 +70,16 @@ class BlockSwap:
 
     def __init__(self, model: nn.Module, blocks_on_device: int, device: torch.device) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors report their index; saved tensors are matched by device.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.paths = repeated_blocks(model)
         self.blocks = [model.get_submodule(p) for p in self.paths]
         self.resident = min(blocks_on_device, len(self.blocks))
-        # Per block: (owner module, parameter name) of each frozen parameter it holds.
-        self._slots: list[list[tuple[nn.Module, str]]] = [
-            [
-                (owner, name)
-                for owner in block.modules()
-                for name, p in owner.named_parameters(recurse=False)
-                if not p.requires_grad
-            ]
-            for block in self.blocks
-        ]
-        self._host: dict[int, list[torch.Tensor]] = {}
+        # Per swapped block: (owner module, parameter name) of each frozen parameter it holds,
+        # and those parameters, whose data waits in host memory (set by to_host).
+        self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._host: dict[int, list[nn.Parameter]] = {}
         self._pending: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self._unpacked: dict[int, list[torch.Tensor]] = {}
         self._storage_of: dict[int, tuple[int, int]] = {}  # storage pointer -> (block, index)
@@ -102,20 +98,24 @@ class BlockSwap:
         """Move the swapped blocks' frozen weights to (pinned) host memory, once wrapped."""
         pin = self.device.type == "cuda"
         for i in range(self.resident, len(self.blocks)):
-            host = []
-            for owner, name in self._slots[i]:
-                param = owner._parameters[name]
-                copy = param.detach().to("cpu", copy=True)
-                host.append(copy.pin_memory() if pin else copy)
-                owner._parameters[name] = nn.Parameter(host[-1], requires_grad=False)
-            self._host[i] = host
+            self._slots[i] = [
+                (owner, name)
+                for owner in self.blocks[i].modules()
+                for name, p in owner.named_parameters(recurse=False)
+                if not p.requires_grad
+            ]
+            self._host[i] = [owner._parameters[name] for owner, name in self._slots[i]]
+            for param in self._host[i]:
+                # In place: a wrapper (DDP) that lists the parameter then holds the host copy.
+                host = param.detach().to("cpu", copy=True)
+                param.data = host.pin_memory() if pin else host
 
     # -- fetching -----------------------------------------------------------------------------
     def _copy(self, i: int, on_side: bool) -> list[torch.Tensor]:
         self.stats.fetches += 1
         self.stats.prefetched += on_side
         self.stats.bytes_streamed += sum(t.numel() * t.element_size() for t in self._host[i])
-        return [t.to(self.device, non_blocking=True, copy=True) for t in self._host[i]]
+        return [p.detach().to(self.device, non_blocking=True, copy=True) for p in self._host[i]]
 
     def _prefetch(self, i: int) -> None:
         if i not in self._host or i in self._pending or i in self._unpacked:
@@ -176,7 +176,7 @@ class BlockSwap:
         finally:
             self._storage_of = {}
             for (owner, name), host in zip(slots, self._host[i], strict=True):
-                owner._parameters[name] = nn.Parameter(host, requires_grad=False)
+                owner._parameters[name] = host
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device != self.device or type(tensor) not in (torch.Tensor, nn.Parameter):
