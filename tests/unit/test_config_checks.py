@@ -214,6 +214,15 @@ COMBINATIONS = [
         "optimization.parallel.strategy ('fsdp2'): block swap moves whole frozen weights",
     ),
     (
+        [
+            "optimization.lora.fp8_base=rowwise",
+            "optimization.parallel.strategy=zero1",
+            "optimization.lora.target_modules=[to_q]",
+        ],
+        "field 'optimization.lora.fp8_base': 'rowwise' does not work with "
+        "optimization.parallel.strategy ('zero1'): fp8_base replaces whole frozen Linear",
+    ),
+    (
         ["optimization.profiles.long.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
         "field 'optimization.profiles.long.parallel.sp_size': 2 does not work with "
         "optimization.profiles.long.parallel.strategy ('fsdp1')",

@@ -276,6 +276,16 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "guard on and recompile for; set compile.enabled: false, or remove block_swap",
     ),
     Unsupported(
+        ("optimization.lora.fp8_base", "optimization.parallel.strategy"),
+        lambda cfg, opt: (
+            opt.lora is not None
+            and opt.lora.fp8_base is not None
+            and opt.parallel.strategy != "ddp"
+        ),
+        "fp8_base replaces whole frozen Linear weights, which the sharding strategies split and "
+        "manage themselves; use strategy ddp (one rank or more), or fp8_base: null",
+    ),
+    Unsupported(
         ("trainer.export_diffusers", "optimization.lora"),
         lambda cfg, opt: cfg.trainer.export_diffusers and opt.lora is not None,
         "export_diffusers writes whole models, and a LoRA run's adapter files are already in "

@@ -334,6 +334,10 @@ class LoRAConfig(Section):
     )
     """The pipeline component the adapters belong to: diffusers' ``load_lora_weights`` reads
     ``transformer.*`` keys into ``pipe.transformer`` (``unet`` for U-Nets)."""
+    fp8_base: Literal["tensorwise", "rowwise"] | None = None
+    """Store the frozen ``nn.Linear`` weights of the adapted model in ``float8_e4m3fn`` with one
+    scale per tensor or per output row, dequantised per layer at use (``litegen.fp8_weights``);
+    ``null`` keeps them in their dtype."""
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import prepare_data
 from litegen.ema import EMA
+from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import BlockSwap, apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
@@ -205,6 +206,12 @@ class LiteGen(CheckpointAPI):
         if lab is not None:
             lab.swap_modules(model)
         if trained:
+            lora = optimization.lora
+            if lora is not None and lora.fp8_base is not None and has_adapters(model):
+                # After cast_model (the layers dequantise to the cast dtype), before the wrap
+                # moves the model to the device.
+                stored = store_frozen_linears_in_fp8(model, lora.fp8_base)
+                log.info("%s: %d frozen Linear weights in fp8", type(model).__name__, len(stored))
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
