@@ -223,6 +223,15 @@ COMBINATIONS = [
         "optimization.parallel.strategy ('zero1'): fp8_base replaces whole frozen Linear",
     ),
     (
+        [
+            "optimization.parallel.strategy=fsdp2",
+            "optimization.parallel.fsdp2.cpu_offload=true",
+            "optimization.optimizer.backend=fused",
+        ],
+        "field 'optimization.parallel.fsdp2.cpu_offload': True does not work with "
+        "optimization.optimizer.backend ('fused'): with cpu_offload the optimizer steps",
+    ),
+    (
         ["optimization.profiles.long.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
         "field 'optimization.profiles.long.parallel.sp_size': 2 does not work with "
         "optimization.profiles.long.parallel.strategy ('fsdp1')",

@@ -62,6 +62,7 @@ def test_defaults_of_every_field() -> None:
                     "cast_forward_inputs": True,
                 },
                 "allow_tf32": True,
+                "fp8_linear": None,
             },
             "optimizer": {"fp32_master_weights": False, "backend": None},
             "compile": {

@@ -286,6 +286,16 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "manage themselves; use strategy ddp (one rank or more), or fp8_base: null",
     ),
     Unsupported(
+        ("optimization.parallel.fsdp2.cpu_offload", "optimization.optimizer.backend"),
+        lambda cfg, opt: (
+            opt.parallel.fsdp2.cpu_offload
+            and opt.optimizer.backend == "fused"
+            and opt.parallel.strategy in ("fsdp2", "hsdp")
+        ),
+        "with cpu_offload the optimizer steps parameters in host memory, and the fused backend "
+        "needs them on CUDA; set optimizer.backend: foreach, or cpu_offload: false",
+    ),
+    Unsupported(
         ("trainer.export_diffusers", "optimization.lora"),
         lambda cfg, opt: cfg.trainer.export_diffusers and opt.lora is not None,
         "export_diffusers writes whole models, and a LoRA run's adapter files are already in "

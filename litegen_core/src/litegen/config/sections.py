@@ -126,6 +126,10 @@ class PrecisionConfig(Section):
     cast_exclude_paths: list[str] = Field(default_factory=list)
     fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
     allow_tf32: bool = True
+    fp8_linear: Literal["tensorwise", "rowwise"] | None = None
+    """FP8 matmuls in the trained model's ``nn.Linear`` layers through torchao's float8 recipes
+    (``litegen.fp8_training``; CUDA with compute capability 8.9+ and the ``torchao`` extra);
+    elsewhere it steps aside with one warning. ``null``: off."""
 
 
 class OptimizerConfig(Section):

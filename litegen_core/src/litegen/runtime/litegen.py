@@ -21,6 +21,7 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import prepare_data
 from litegen.ema import EMA
+from litegen.fp8_training import apply_fp8_training
 from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import BlockSwap, apply_memory_optimizations
@@ -212,6 +213,9 @@ class LiteGen(CheckpointAPI):
                 # moves the model to the device.
                 stored = store_frozen_linears_in_fp8(model, lora.fp8_base)
                 log.info("%s: %d frozen Linear weights in fp8", type(model).__name__, len(stored))
+            if precision.fp8_linear is not None:  # after fp8_base: its layers are not nn.Linear
+                converted = apply_fp8_training(model, precision.fp8_linear, self.device)
+                log.info("%s: %d Linear layers train in fp8", type(model).__name__, converted)
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
