@@ -459,3 +459,29 @@ def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
     assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
     plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
     assert plan.memory == "off"
+
+
+def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    assert plan.weights == "on the device, in their dtype"
+    overrides = [
+        "optimization.parallel.strategy=fsdp2",
+        "optimization.parallel.fsdp2.cpu_offload=true",
+        "optimization.precision.fp8_linear=rowwise",
+    ]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    assert plan.weights == (
+        "parameters, gradients and optimizer state in host memory (cpu_offload); "
+        "fp8 Linear matmuls (rowwise, where the GPU and torchao allow)"
+    )
+    lora = [
+        "optimization.lora.target_modules=[to_q]",
+        "optimization.lora.fp8_base=tensorwise",
+        "optimization.memory.block_swap.blocks_on_device=4",
+    ]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), lora, env={}))
+    assert plan.weights == "frozen Linear weights in fp8 (tensorwise)"
+    assert plan.memory == "block swap: frozen weights of all but 4 blocks in host memory"
+    result = invoke("inspect-config", write_recipe(tmp_path), *lora)
+    assert result.exit_code == 0, result.output
+    assert "frozen Linear weights in fp8" in " ".join(result.output.split())
