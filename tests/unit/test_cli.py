@@ -216,7 +216,7 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
         (["optimization.parallel.sp_size=3"], "'optimization.parallel.sp_size': 3 does not divide"),
         (
             ["optimization.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
-            "fsdp1 has no sequence-parallel",
+            "fsdp1 has no sequence-parallel layout",
         ),
         (
             ["optimization.parallel.cp_size=2"],
@@ -487,3 +487,29 @@ def test_the_plan_shows_how_many_blocks_are_checkpointed(tmp_path, fields, shown
     result = invoke("inspect-config", write_recipe(tmp_path), *overrides)
     assert result.exit_code == 0, result.output
     assert shown in " ".join(result.output.replace("│", " ").split())
+
+
+def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    assert plan.weights == "on the device, in their dtype"
+    overrides = [
+        "optimization.parallel.strategy=fsdp2",
+        "optimization.parallel.fsdp2.cpu_offload=true",
+        "optimization.precision.fp8_linear=rowwise",
+    ]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    assert plan.weights == (
+        "parameters, gradients and optimizer state in host memory (cpu_offload); "
+        "fp8 Linear matmuls (rowwise, where the GPU and torchao allow)"
+    )
+    lora = [
+        "optimization.lora.target_modules=[to_q]",
+        "optimization.lora.fp8_base=tensorwise",
+        "optimization.memory.block_swap.blocks_on_device=4",
+    ]
+    plan = derive_plan(load_recipe(write_recipe(tmp_path), lora, env={}))
+    assert plan.weights == "frozen Linear weights in fp8 (tensorwise)"
+    assert plan.memory == "block swap: frozen weights of all but 4 blocks in host memory"
+    result = invoke("inspect-config", write_recipe(tmp_path), *lora)
+    assert result.exit_code == 0, result.output
+    assert "frozen Linear weights in fp8" in " ".join(result.output.split())

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from litegen.config import MainConfig
+from litegen.config import ConfigError, MainConfig
 from litegen.config.checks import IgnoredOptionWarning, ignored_options, near_miss
 from litegen_cli.app import app
 
@@ -200,6 +200,38 @@ COMBINATIONS = [
         "field 'trainer.export_diffusers': True does not work with optimization.lora (set)",
     ),
     (
+        ["optimization.memory.block_swap.blocks_on_device=2"],
+        "field 'optimization.memory.block_swap': set does not work with optimization.lora "
+        "(None): block swap streams frozen base weights",
+    ),
+    (
+        [
+            "optimization.memory.block_swap.blocks_on_device=2",
+            "optimization.parallel.strategy=fsdp2",
+            "optimization.lora.target_modules=[to_q]",
+        ],
+        "field 'optimization.memory.block_swap': set does not work with "
+        "optimization.parallel.strategy ('fsdp2'): block swap moves whole frozen weights",
+    ),
+    (
+        [
+            "optimization.lora.fp8_base=rowwise",
+            "optimization.parallel.strategy=zero1",
+            "optimization.lora.target_modules=[to_q]",
+        ],
+        "field 'optimization.lora.fp8_base': 'rowwise' does not work with "
+        "optimization.parallel.strategy ('zero1'): fp8_base replaces whole frozen Linear",
+    ),
+    (
+        [
+            "optimization.parallel.strategy=fsdp2",
+            "optimization.parallel.fsdp2.cpu_offload=true",
+            "optimization.optimizer.backend=fused",
+        ],
+        "field 'optimization.parallel.fsdp2.cpu_offload': True does not work with "
+        "optimization.optimizer.backend ('fused'): with cpu_offload the optimizer steps",
+    ),
+    (
         ["optimization.profiles.long.parallel.sp_size=2", "optimization.parallel.strategy=fsdp1"],
         "field 'optimization.profiles.long.parallel.sp_size': 2 does not work with "
         "optimization.profiles.long.parallel.strategy ('fsdp1')",
@@ -219,3 +251,25 @@ def test_settings_that_do_not_work_together_are_refused_before_the_ranks_start(
     launched = CliRunner().invoke(app, ["launch", str(path), *overrides])
     assert launched.exit_code == 2, launched.output
     assert not (tmp_path / "results").exists()  # refused before any rank started
+
+
+@pytest.mark.parametrize(
+    ("memory", "other", "fix"),
+    [
+        ({"activation_offload": True}, "optimization.memory.activation_offload", "turn"),
+        ({}, "optimization.compile.enabled", "set compile.enabled: false"),
+    ],
+)
+def test_block_swap_refuses_other_saved_tensor_owners(memory, other, fix):
+    optimization = {
+        "lora": {"target_modules": ["to_q"]},
+        "memory": {"block_swap": {"blocks_on_device": 1}} | memory,
+        "compile": {"enabled": "compile" in other},
+    }
+    with pytest.raises(ConfigError) as caught:
+        MainConfig.from_dict({"optimization": optimization})
+    message = " ".join(str(caught.value).split())
+    assert f"'optimization.memory.block_swap': set does not work with {other}" in message
+    assert fix in message
+    del optimization["memory"]["block_swap"]
+    MainConfig.from_dict({"optimization": optimization})  # either alone is fine

@@ -46,6 +46,7 @@ def test_defaults_of_every_field() -> None:
                     "root_reshard_after_forward": None,
                     "last_unit_reshard_after_forward": None,
                     "allow_empty_param_unit_sharding": False,
+                    "cpu_offload": False,
                 },
                 "sp_size": 1,
                 "cp_size": 1,
@@ -61,6 +62,7 @@ def test_defaults_of_every_field() -> None:
                     "cast_forward_inputs": True,
                 },
                 "allow_tf32": True,
+                "fp8_linear": None,
             },
             "optimizer": {"fp32_master_weights": False, "backend": None},
             "compile": {
@@ -82,6 +84,7 @@ def test_defaults_of_every_field() -> None:
                 },
                 "activation_offload": False,
                 "mlp_chunk_tokens": None,
+                "block_swap": None,
             },
             "kernels": {"fused_layernorm": False, "attention_backend": "auto"},
             "experimental": {

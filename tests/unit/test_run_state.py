@@ -236,9 +236,9 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
     assert "has no MANIFEST.json" in caplog.text and str(step) in caplog.text
 
 
-def nan_weights_at_step_1(batch, model, step):
+def nan_weights_at_step_2(batch, model, step):
     loss = train_step(batch, model, step)
-    if step == 1:  # a finite loss, but the weights go bad (as an overflowing update would)
+    if step == 2:  # a finite loss, but the weights go bad (as an overflowing update would)
         with torch.no_grad():
             next(model.parameters()).fill_(float("inf"))
     return loss
@@ -247,9 +247,9 @@ def nan_weights_at_step_1(batch, model, step):
 @pytest.mark.parametrize(
     ("step_fn", "error"),
     [
-        (nan_at_step_1, r"loss is not finite at step 2.*No checkpoint of this run was written"),
+        (nan_at_step_2, r"loss is not finite at step 2.*No checkpoint of this run was written"),
         (
-            nan_weights_at_step_1,
+            nan_weights_at_step_2,
             r"state to save at step 2 is not finite \(ema\.weight, model\.weight\)",
         ),
     ],

@@ -30,6 +30,7 @@ class RunPlan:
     strategy: str
     device: str
     memory: str = "off"  # activation checkpointing and offload, in words
+    weights: str = "on the device, in their dtype"  # parameter offload and fp8, in words
     # Tokens each rank holds of a sample's sequence (trainer.tokens_per_sample / sp, rounded
     # up: the sequence is padded to a multiple of sp); None when tokens_per_sample is unset.
     tokens_per_rank: int | None = None
@@ -80,6 +81,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     tokens = _get(trainer, "tokens_per_sample", None)
     return RunPlan(
         memory=_memory(_get(_get(cfg, "optimization", None), "memory", None)),
+        weights=_weights(_get(cfg, "optimization", None)),
         world_size=world,
         dp_size=dp,
         sp_size=sp,
@@ -110,6 +112,10 @@ def _memory(memory: Any) -> str:
             parts.append(f"checkpointing {_checkpointed(ac)}, policy {_get(ac, 'policy', 'block')}")
     if _get(memory, "activation_offload", False):
         parts.append("activation offload")
+    swap = _get(memory, "block_swap", None)
+    if swap is not None:
+        kept = _get(swap, "blocks_on_device", 0)
+        parts.append(f"block swap: frozen weights of all but {kept} blocks in host memory")
     return "; ".join(parts) or "off"
 
 
@@ -126,6 +132,22 @@ def _checkpointed(ac: Any) -> str:
         return "every block (selective_ratio 0.0)"
     example = ", ".join(f"{ac.checkpointed_blocks(n)} of {n}" for n in (12, 28))
     return f"{1 - ratio:.0%} of the model's blocks (selective_ratio {ratio}: {example})"
+
+
+def _weights(optimization: Any) -> str:
+    """Where parameters and optimizer state live and in which precision, as the plan shows it."""
+    parts = []
+    fsdp2 = _get(_get(optimization, "parallel", None), "fsdp2", None)
+    strategy = str(_get(_get(optimization, "parallel", None), "strategy", "ddp"))
+    if _get(fsdp2, "cpu_offload", False) and strategy in ("fsdp2", "hsdp"):
+        parts.append("parameters, gradients and optimizer state in host memory (cpu_offload)")
+    fp8_base = _get(_get(optimization, "lora", None), "fp8_base", None)
+    if fp8_base is not None:
+        parts.append(f"frozen Linear weights in fp8 ({fp8_base})")
+    fp8_linear = _get(_get(optimization, "precision", None), "fp8_linear", None)
+    if fp8_linear is not None:
+        parts.append(f"fp8 Linear matmuls ({fp8_linear}, where the GPU and torchao allow)")
+    return "; ".join(parts) or "on the device, in their dtype"
 
 
 def runtime_refusals(recipe: Recipe) -> list[str]:

@@ -69,6 +69,7 @@ def plan_table(plan: RunPlan) -> Table:
         how = "trainer.tokens_per_sample / sp, rounded up" if plan.sp_size > 1 else "per sample"
         rows.append(("tokens per rank", f"{plan.tokens_per_rank} ({how})"))
     rows += [("strategy", plan.strategy), ("device", plan.device), ("memory", plan.memory)]
+    rows.append(("weights", plan.weights))
     for name, value in rows:
         table.add_row(name, escape(value))
     return table

@@ -26,8 +26,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-
-
 REQUIRED = ("build", "train_step")
 # Containers and arrays that are data for the hooks (a held-out tuple), never a training set.
 _PLAIN = (list, tuple, dict, str, bytes, set, frozenset, torch.Tensor)

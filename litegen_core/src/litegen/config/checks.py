@@ -250,6 +250,52 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "measure; set activation_checkpoint.memory_budget_gib",
     ),
     Unsupported(
+        ("optimization.memory.block_swap", "optimization.lora"),
+        lambda cfg, opt: opt.memory.block_swap is not None and opt.lora is None,
+        "block swap streams frozen base weights, and without LoRA every weight trains; set "
+        "optimization.lora, or for full fine-tuning use strategy fsdp2 with "
+        "parallel.fsdp2.cpu_offload: true",
+    ),
+    Unsupported(
+        ("optimization.memory.block_swap", "optimization.parallel.strategy"),
+        lambda cfg, opt: opt.memory.block_swap is not None and opt.parallel.strategy != "ddp",
+        "block swap moves whole frozen weights, which the sharding strategies split and manage "
+        "themselves; use strategy ddp (one rank or more), or parallel.fsdp2.cpu_offload: true "
+        "under fsdp2",
+    ),
+    Unsupported(
+        ("optimization.memory.block_swap", "optimization.memory.activation_offload"),
+        lambda cfg, opt: opt.memory.block_swap is not None and opt.memory.activation_offload,
+        "both take over what a block saves for backward through saved-tensor hooks; turn "
+        "activation_offload off (activation checkpointing works with block swap), or block_swap",
+    ),
+    Unsupported(
+        ("optimization.memory.block_swap", "optimization.compile.enabled"),
+        lambda cfg, opt: opt.memory.block_swap is not None and opt.compile.enabled,
+        "block swap replaces a block's weights around each call, which compiled blocks would "
+        "guard on and recompile for; set compile.enabled: false, or remove block_swap",
+    ),
+    Unsupported(
+        ("optimization.lora.fp8_base", "optimization.parallel.strategy"),
+        lambda cfg, opt: (
+            opt.lora is not None
+            and opt.lora.fp8_base is not None
+            and opt.parallel.strategy != "ddp"
+        ),
+        "fp8_base replaces whole frozen Linear weights, which the sharding strategies split and "
+        "manage themselves; use strategy ddp (one rank or more), or fp8_base: null",
+    ),
+    Unsupported(
+        ("optimization.parallel.fsdp2.cpu_offload", "optimization.optimizer.backend"),
+        lambda cfg, opt: (
+            opt.parallel.fsdp2.cpu_offload
+            and opt.optimizer.backend == "fused"
+            and opt.parallel.strategy in ("fsdp2", "hsdp")
+        ),
+        "with cpu_offload the optimizer steps parameters in host memory, and the fused backend "
+        "needs them on CUDA; set optimizer.backend: foreach, or cpu_offload: false",
+    ),
+    Unsupported(
         ("trainer.export_diffusers", "optimization.lora"),
         lambda cfg, opt: cfg.trainer.export_diffusers and opt.lora is not None,
         "export_diffusers writes whole models, and a LoRA run's adapter files are already in "

@@ -68,6 +68,10 @@ class FSDP2Config(Section):
     root_reshard_after_forward: bool | int | None = None
     last_unit_reshard_after_forward: bool | int | None = None
     allow_empty_param_unit_sharding: bool = False
+    cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory
+    (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA): each unit is copied to the device for its
+    forward and backward, and the optimizer steps on the host. Works on one rank too."""
 
 
 class ParallelConfig(Section):
@@ -122,6 +126,10 @@ class PrecisionConfig(Section):
     cast_exclude_paths: list[str] = Field(default_factory=list)
     fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
     allow_tf32: bool = True
+    fp8_linear: Literal["tensorwise", "rowwise"] | None = None
+    """FP8 matmuls in the trained model's ``nn.Linear`` layers through torchao's float8 recipes
+    (``litegen.fp8_training``; CUDA with compute capability 8.9+ and the ``torchao`` extra);
+    elsewhere it steps aside with one warning. ``null``: off."""
 
 
 class OptimizerConfig(Section):
@@ -253,6 +261,14 @@ class ActivationCheckpointConfig(Section):
         )
 
 
+class BlockSwapConfig(Section):
+    """Frozen base weights streamed from host memory (``optimization.memory.block_swap``)."""
+
+    blocks_on_device: int = Field(0, ge=0)
+    """Repeated blocks (the first, in forward order) whose frozen weights stay on the device;
+    the others' wait in pinned host memory and are copied in ahead of each use."""
+
+
 class MemoryConfig(Section):
     """Memory savers (``optimization.memory``)."""
 
@@ -268,6 +284,10 @@ class MemoryConfig(Section):
     """Linear-GELU(tanh)-Linear MLPs keep only their input for backward and run this many tokens
     at a time, recomputing their hidden activation in backward (``litegen.memory.chunked_mlp``):
     for long sequences, where those wide activations set the peak; one more GEMM per MLP."""
+    block_swap: BlockSwapConfig | None = None
+    """Under LoRA, keep the frozen base weights of all but ``blocks_on_device`` repeated blocks
+    in pinned host memory and stream them in ahead of use (``litegen.memory.block_swap``);
+    ``null``: every weight on the device."""
 
 
 class KernelsConfig(Section):
@@ -318,6 +338,10 @@ class LoRAConfig(Section):
     )
     """The pipeline component the adapters belong to: diffusers' ``load_lora_weights`` reads
     ``transformer.*`` keys into ``pipe.transformer`` (``unet`` for U-Nets)."""
+    fp8_base: Literal["tensorwise", "rowwise"] | None = None
+    """Store the frozen ``nn.Linear`` weights of the adapted model in ``float8_e4m3fn`` with one
+    scale per tensor or per output row, dequantised per layer at use (``litegen.fp8_weights``);
+    ``null`` keeps them in their dtype."""
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from torch import nn
 
 from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import BlockForward, block_forward
+from litegen.memory.block_swap import BlockSwap, SwapStats
 from litegen.memory.budget import BudgetPlanner, Plan
 from litegen.memory.checkpointing import (
     checkpoint_modules,
@@ -32,9 +33,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "ActivationOffloader",
     "BlockForward",
+    "BlockSwap",
     "BudgetPlanner",
     "MemoryReport",
     "OffloadStats",
+    "SwapStats",
     "apply_chunked_mlp",
     "apply_memory_optimizations",
     "block_forward",
@@ -59,6 +62,7 @@ class MemoryReport:
     offloaded: list[str] = field(default_factory=list)
     planner: BudgetPlanner | None = None  # selective_ratio auto
     chunked_mlps: int = 0  # mlp_chunk_tokens
+    block_swap: BlockSwap | None = None  # block_swap: set by prepare once the model is wrapped
 
     @property
     def measuring(self) -> bool:

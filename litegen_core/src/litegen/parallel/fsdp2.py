@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from litegen.parallel.base import Strategy, broadcast_from_rank0
@@ -122,6 +122,7 @@ class Fsdp2Strategy(Strategy):
             "mp_policy": fsdp2_mixed_policy(self.optimization.precision.fsdp2_mixed),
             # Excluded (frozen) parameters stay plain, replicated tensors in no unit.
             "ignored_params": ignored or None,
+            "offload_policy": self.offload_policy(),
         }
 
         def reshard(override: bool | int | None) -> bool | int | None:
@@ -134,6 +135,13 @@ class Fsdp2Strategy(Strategy):
             fully_shard(modules[path], reshard_after_forward=reshard(override), **common)
         fully_shard(model, reshard_after_forward=reshard(cfg.root_reshard_after_forward), **common)
         return model
+
+    def offload_policy(self) -> OffloadPolicy:
+        """``CPUOffloadPolicy`` when ``fsdp2.cpu_offload`` is set (pinned host memory on
+        CUDA, where the copies overlap compute), else torch's no-offload default."""
+        if not self.optimization.parallel.fsdp2.cpu_offload:
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=self.plan.device.type == "cuda")
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]

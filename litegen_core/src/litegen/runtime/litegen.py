@@ -21,8 +21,10 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import prepare_data
 from litegen.ema import EMA
+from litegen.fp8_training import apply_fp8_training
+from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora, has_adapters, train_adapters
-from litegen.memory import apply_memory_optimizations
+from litegen.memory import BlockSwap, apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.precision import cast_model
 from litegen.runtime import distributed
@@ -205,6 +207,15 @@ class LiteGen(CheckpointAPI):
         if lab is not None:
             lab.swap_modules(model)
         if trained:
+            lora = optimization.lora
+            if lora is not None and lora.fp8_base is not None and has_adapters(model):
+                # After cast_model (the layers dequantise to the cast dtype), before the wrap
+                # moves the model to the device.
+                stored = store_frozen_linears_in_fp8(model, lora.fp8_base)
+                log.info("%s: %d frozen Linear weights in fp8", type(model).__name__, len(stored))
+            if precision.fp8_linear is not None:  # after fp8_base: its layers are not nn.Linear
+                converted = apply_fp8_training(model, precision.fp8_linear, self.device)
+                log.info("%s: %d Linear layers train in fp8", type(model).__name__, converted)
             template = None
             if strategy.ema_from_copy and self._ema_target_pending():
                 # Taken before checkpointing and compile touch the blocks: the EMA copy only
@@ -212,6 +223,13 @@ class LiteGen(CheckpointAPI):
                 template = copy.deepcopy(model)
             if strategy.plan.sp_size > 1:
                 self._apply_sequence_parallel(model, strategy.plan)
+            # Block swap patches the blocks' forward first, so that checkpointing wraps it and
+            # its recompute fetches the weights again (litegen/memory/block_swap.py).
+            swap = None
+            if optimization.memory.block_swap is not None:
+                swap = BlockSwap(
+                    model, optimization.memory.block_swap.blocks_on_device, self.device
+                )
             # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
             memory = apply_memory_optimizations(
                 model,
@@ -236,6 +254,15 @@ class LiteGen(CheckpointAPI):
                 )
                 log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
             wrapped = strategy.wrap_model(model)
+            if swap is not None:  # the model is on the device once, wrapped; now move out
+                swap.to_host()
+                memory.block_swap = swap
+                log.info(
+                    "%s: block swap: frozen weights of %d of %d blocks in host memory",
+                    type(model).__name__,
+                    len(swap.swapped),
+                    len(swap.blocks),
+                )
             return PreparedModel(
                 wrapped, strategy, trainable=True, ema_template=template, memory=memory
             )

@@ -1,0 +1,62 @@
+"""FSDP2 with ``parallel.fsdp2.cpu_offload``: the same training as on the device, on 2 and 1
+gloo ranks, with every sharded parameter held by the offload policy between steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.test_fsdp import assert_same_weights, config_for, public, train
+
+STEPS = 4
+
+
+def first_grads(offload: bool, tmp: str) -> dict[str, torch.Tensor]:
+    """Full gradients of one backward on the same batch on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    import litegen
+
+    gen = litegen.initialize(
+        config_for("fsdp2", tmp, steps=1, parallel={"fsdp2": {"cpu_offload": offload}})
+    )
+    model = gen.prepare(make_model())
+    batch = next(iter(torch.utils.data.DataLoader(PairDataset(8), batch_size=8)))
+    loss_fn(model, batch).backward()
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def offload_suite(tmp: str) -> dict:
+    out: dict = {}
+    for offload in (False, True):
+        fields = {"parallel": {"fsdp2": {"cpu_offload": offload}}}
+        result = train("fsdp2", tmp, steps=STEPS, **fields)
+        params = list(result["model"].parameters())
+        states = [
+            m._get_fsdp_state()._fsdp_param_group
+            for m in result["model"].modules()
+            if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group
+        ]
+        out[offload] = public(result) | {
+            "offloaded": [fp.offload_to_cpu for g in states for fp in g.fsdp_params],
+            "devices": sorted({p.to_local().device.type for p in params}),
+            "grads": first_grads(offload, tmp),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_cpu_offload_trains_as_on_the_device(world_size, tmp_path):
+    runs = run_ranks(offload_suite, world_size, str(tmp_path))[0]
+    on_device, offloaded = runs[False], runs[True]
+    assert offloaded["offloaded"] and all(offloaded["offloaded"])
+    assert not any(on_device["offloaded"])
+    assert offloaded["devices"] == ["cpu"]
+    assert offloaded["losses"] == pytest.approx(on_device["losses"], rel=1e-5)
+    assert_same_weights(offloaded["state"], on_device["state"], rtol=1e-5, atol=1e-6)
+    assert_same_weights(offloaded["grads"], on_device["grads"], rtol=1e-5, atol=1e-7)
