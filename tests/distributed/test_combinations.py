@@ -42,11 +42,6 @@ ALL = [case for cases in MATRIX.values() for case in cases]
 # Combinations that fail today, each with its cause: strict, so a fix turns them into passes.
 KNOWN_FAILURES = [
     (
-        lambda c: c["strategy"] == "fsdp1" and c["model"] == "wan" and c["resume"],
-        "fsdp1 cannot load its own run checkpoint of WanTransformer3DModel (rank 1: 'Missing key "
-        "in checkpoint state_dict: optimizer.param_groups'); DiT, Flux, LTX and SD3 resume",
-    ),
-    (
         lambda c: (
             c["strategy"] == "fsdp1" and c["model"] == "flux" and c["ema"] and c["hooks"] != "none"
         ),
