@@ -40,16 +40,7 @@ MATRIX = {s: cases_for(s) for s in TWO_RANK_STRATEGIES + FOUR_RANK_STRATEGIES}
 SAMPLE = sample_cases(MATRIX, ("fsdp2", "zero2", "fsdp1"))
 ALL = [case for cases in MATRIX.values() for case in cases]
 # Combinations that fail today, each with its cause: strict, so a fix turns them into passes.
-KNOWN_FAILURES = [
-    (
-        lambda c: (
-            c["strategy"] == "fsdp1" and c["model"] == "flux" and c["ema"] and c["hooks"] != "none"
-        ),
-        "under fsdp1, sampling Flux with the EMA weights changes the following losses (step 3: "
-        "1.3569 against ddp's 1.3133 after a sample at step 2); without EMA, or without the "
-        "sample, fsdp1 equals ddp, and fsdp2 with the same features does",
-    ),
-]
+KNOWN_FAILURES: list[tuple] = []
 
 
 def params(cases: list[dict]) -> list:
