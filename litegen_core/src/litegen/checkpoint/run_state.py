@@ -347,7 +347,6 @@ class RunCheckpointer:
         from torch.distributed.checkpoint.api import CheckpointException
 
         for i, target in enumerate(targets):
-
             try:
                 target.load(path / f"model_{i}")
             # DCP gathers every rank's read error into a CheckpointException, a BaseException.
