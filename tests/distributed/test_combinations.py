@@ -40,21 +40,7 @@ MATRIX = {s: cases_for(s) for s in TWO_RANK_STRATEGIES + FOUR_RANK_STRATEGIES}
 SAMPLE = sample_cases(MATRIX, ("fsdp2", "zero2", "fsdp1"))
 ALL = [case for cases in MATRIX.values() for case in cases]
 # Combinations that fail today, each with its cause: strict, so a fix turns them into passes.
-KNOWN_FAILURES = [
-    (
-        lambda c: c["strategy"] == "fsdp1" and c["model"] == "wan" and c["resume"],
-        "fsdp1 cannot load its own run checkpoint of WanTransformer3DModel (rank 1: 'Missing key "
-        "in checkpoint state_dict: optimizer.param_groups'); DiT, Flux, LTX and SD3 resume",
-    ),
-    (
-        lambda c: (
-            c["strategy"] == "fsdp1" and c["model"] == "flux" and c["ema"] and c["hooks"] != "none"
-        ),
-        "under fsdp1, sampling Flux with the EMA weights changes the following losses (step 3: "
-        "1.3569 against ddp's 1.3133 after a sample at step 2); without EMA, or without the "
-        "sample, fsdp1 equals ddp, and fsdp2 with the same features does",
-    ),
-]
+KNOWN_FAILURES: list[tuple] = []
 
 
 def params(cases: list[dict]) -> list:

@@ -1,4 +1,5 @@
-"""Features that meet under a sharding strategy: EMA sampling right after validation."""
+"""Features that meet under a sharding strategy: EMA sampling right after validation, and
+the training that follows an EMA sample."""
 
 from __future__ import annotations
 
@@ -64,6 +65,52 @@ def test_sampling_from_the_ema_right_after_validation(strategy):
     ranks = run_ranks(sample_after_validate, world, strategy, local_world_size=2)
     assert [step for step, _ in ranks[0]["seen"]] == [2]
     assert ranks[0]["seen"][0][1] != ranks[0]["after"]  # the EMA weights, not the model's
+
+
+def losses_around_an_ema_sample(strategy: str, sample_every: int) -> list[float]:
+    """Three steps' losses, with a forward of the EMA weights after step 2 when sampling."""
+    import litegen
+    from litegen.trainer import Trainer
+    from litegen.utils.config import MainConfig
+
+    def sample(model):
+        model(torch.ones(2, 4, 8))
+
+    with tempfile.TemporaryDirectory(prefix="litegen-test-") as results:
+        config = MainConfig.from_dict(
+            {
+                "runtime": {"device": "cpu"},
+                "results_dir": results,
+                "global_batch_size": 8,
+                "max_steps": 3,
+                "ema": {"enable": True, "decay": 0.5},
+                "optimization": {"parallel": {"strategy": strategy}},
+                "trainer": {"log_every": 1, "save_final": False, "sample_every": sample_every},
+            }
+        )
+        gen = litegen.initialize(config)
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer, loader = gen.prepare(model, optimizer, PairDataset(40))
+        losses = []
+
+        def step(batch, model):
+            loss = loss_fn(model, batch)
+            losses.append(loss.item())
+            return loss
+
+        parts = {"model": model, "optimizer": optimizer, "loader": loader}
+        Trainer(gen, step, parts, sample_fn=sample if sample_every else None).fit()
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
+def test_sampling_from_the_ema_leaves_the_following_losses_alone(strategy):
+    # fsdp1 keeps the root unit's gathered weights after a no-grad forward: the sample's
+    # forward must not leave the EMA's there for the next training step.
+    plain = run_ranks(losses_around_an_ema_sample, 2, strategy, 0)[0]
+    sampled = run_ranks(losses_around_an_ema_sample, 2, strategy, 2)[0]
+    assert sampled == plain
 
 
 class ConvVAE(torch.nn.Module):

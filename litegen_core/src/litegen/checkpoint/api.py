@@ -183,17 +183,12 @@ class CheckpointAPI:
         ema: bool | None = None,
     ) -> None:
         """Load what :meth:`save_model_state` wrote, resharding to this job's layout."""
-        import torch.distributed.checkpoint as dcp
-
         if not Path(path, ".metadata").is_file():
             raise FileNotFoundError(
                 f"{path} is not a complete distributed checkpoint (no .metadata file); "
                 "point to a folder written by gen.save_model_state."
             )
-        target = self._trainable(model, optimizer, ema)
-        state = target.dcp_state()
-        dcp.load(state, checkpoint_id=str(path))
-        target.load_dcp_state(state)
+        self._trainable(model, optimizer, ema).load(path)
 
     def _trainable(self, model, optimizer, ema) -> Trainable:
         entry = self._entry(model)

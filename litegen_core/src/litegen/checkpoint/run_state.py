@@ -116,6 +116,25 @@ class Trainable:
         if self.ema is not None:
             self.ema.load_dcp_state(state["ema"])
 
+    def load(self, checkpoint_id: str | Path) -> None:
+        """Load the DCP folder ``checkpoint_id`` into the model (optimizer, EMA) in place.
+
+        Example:
+            >>> Trainable(model, optimizer, strategy).load("ckpt/step_100/model_0")
+        """
+        import torch.distributed.checkpoint as dcp
+
+        state = self.dcp_state()
+        # FSDP1 chunks each parameter on dim 0, so a rank past that dim's size (Wan's
+        # (1, 6, dim) scale_shift_table on rank 1) holds a ShardedTensor with no local shard.
+        # DCP's default planner drops those while flattening nested ShardedTensors, then reads
+        # the checkpoint keys it no longer sees as a pre-2.4 layout and asks for keys never
+        # written. LiteGen never nests ShardedTensors (that is FSDP1 with tensor parallelism),
+        # so the flattening is off.
+        planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
+        dcp.load(state, checkpoint_id=str(checkpoint_id), planner=planner)
+        self.load_dcp_state(state)
+
     def model_shapes(self) -> dict[str, Any]:
         """The model's tensors at their global shapes (to check a checkpoint against)."""
         return self.strategy.dcp_state(self.module)["model"]
@@ -325,15 +344,11 @@ class RunCheckpointer:
             )
         for i, target in enumerate(targets):
             self._check(path / f"model_{i}", target)
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         for i, target in enumerate(targets):
-            from torch.distributed.checkpoint.api import CheckpointException
-
             try:
-                state = target.dcp_state()
-                dcp.load(state, checkpoint_id=str(path / f"model_{i}"))
-                target.load_dcp_state(state)
+                target.load(path / f"model_{i}")
             # DCP gathers every rank's read error into a CheckpointException, a BaseException.
             except (Exception, CheckpointException) as err:
                 raise ValueError(

@@ -101,7 +101,8 @@ class Strategy:
     def reshard(self, model: nn.Module) -> None:
         """Bring ``model`` back to its at-rest layout (the one state dicts read and write).
 
-        A no-op, except where a forward leaves gathered parameters in place (fsdp2/hsdp)."""
+        A no-op, except where a forward leaves gathered parameters in place (fsdp1, fsdp2,
+        hsdp)."""
 
     def checkpoint_candidates(self, model: nn.Module) -> list[str]:
         """The modules activation checkpointing chooses from: the model's repeated blocks."""

@@ -125,6 +125,19 @@ class Fsdp1Strategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, FullyShardedDataParallel) else model
 
+    def reshard(self, model: nn.Module) -> None:
+        # FSDP1 keeps the root unit's gathered parameters after a forward, for the backward it
+        # expects next. After a no-grad forward (a sample or validation hook) no backward frees
+        # them, and the next forward reuses that gathered copy instead of gathering the shards
+        # again: stale once the shards change, as when ema_weights swaps the EMA in and out.
+        # torch has no public call for this; _reshard is what FSDP1's own backward calls.
+        from torch.distributed.fsdp._runtime_utils import _reshard
+
+        for state in FullyShardedDataParallel.fsdp_modules(model):
+            handle = state._handle
+            if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+                _reshard(state, handle, free_unsharded_flat_param=True)
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return model.no_sync()
 

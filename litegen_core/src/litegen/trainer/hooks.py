@@ -211,7 +211,8 @@ def ema_weights(gen: LiteGen) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            entry.strategy.reshard(module)  # drop the EMA's gathered copies
+            # Drop the EMA's gathered copies: fsdp1 would otherwise train its root unit on them.
+            entry.strategy.reshard(module)
             for tensor, saved in own:
                 tensor.detach().copy_(saved)
 
