@@ -3,7 +3,7 @@
 the losses and weights of a run that never stopped; no checkpoint is ever non-finite, damaged,
 or lost (``latest`` never moves back).
 
-$LITEGEN_SOAK_CYCLES stops (default 3, for CI), $LITEGEN_SOAK_SEED the random choices:
+$LITEGEN_SOAK_CYCLES stops (default 2, for CI), $LITEGEN_SOAK_SEED the random choices:
 
     LITEGEN_SOAK_CYCLES=20 uv run --locked pytest -q tests/distributed/test_soak.py
 """
@@ -35,7 +35,7 @@ from tests.distributed.test_resume import assert_same_weights, run_entry_in_rank
 
 pytestmark = pytest.mark.slow
 
-CYCLES = int(os.environ.get("LITEGEN_SOAK_CYCLES", "3"))
+CYCLES = int(os.environ.get("LITEGEN_SOAK_CYCLES", "2"))
 STEPS = 2 * CYCLES + 4  # room for every stop to land mid-run
 
 
