@@ -349,7 +349,9 @@ def cache_build(
 def main() -> None:
     """Console-script entry point (`litegen`).
 
-    >>> main()  # doctest: +SKIP  (same as running `litegen --help`)
+    Example::
+
+        main()  # same as running `litegen --help`
     """
     app()
 

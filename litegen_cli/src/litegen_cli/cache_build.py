@@ -69,10 +69,10 @@ def build_recipe_cache(recipe: Recipe, batch_size: int = 64) -> CacheReport:
     Raises ValueError (saying how to fix it) when the entry has no hook or it returns
     something unusable.
 
-    Example:
-        >>> report = build_recipe_cache(load_recipe("recipes/digits_latent_dit.yaml"))  # doctest: +SKIP
-        >>> report.misses, report.hits  # doctest: +SKIP
-        (1797, 0)
+    Example::
+
+        report = build_recipe_cache(load_recipe("recipes/digits_latent_dit.yaml"))
+        report.misses, report.hits
     """
     from litegen.cache import fill_cache
     from litegen.entry import load_entry
@@ -107,7 +107,9 @@ def build_recipe_cache(recipe: Recipe, batch_size: int = 64) -> CacheReport:
 def report_table(report: CacheReport):
     """The fill's outcome as a rich table (hits, misses, bytes, time).
 
-    >>> console.print(report_table(build_recipe_cache(recipe)))  # doctest: +SKIP
+    Example::
+
+        console.print(report_table(build_recipe_cache(recipe)))
     """
     from rich.markup import escape
     from rich.table import Table

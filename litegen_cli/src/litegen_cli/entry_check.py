@@ -11,7 +11,8 @@ checked. What the ranks would see differently (a name made at import time, a ``f
 *``) is left to them: they check again after importing.
 
 Example:
-    >>> entry_problems("digits_dit.py", Path("recipes"))
+    >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
+    >>> entry_problems("entry.py", Path("."))
     []
 """
 

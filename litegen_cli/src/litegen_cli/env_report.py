@@ -120,8 +120,9 @@ def _driver_version() -> str:
 def environment_report() -> str:
     """The whole report as Markdown: LiteGen, platform, torch and GPUs, optional packages.
 
-    Example:
-        >>> print(environment_report())  # doctest: +SKIP
+    Example::
+
+        print(environment_report())
     """
     rows = [(name, distribution_version(name) or "not installed") for name in LITEGEN_PACKAGES]
     rows += [

@@ -83,8 +83,12 @@ def write_resolved_recipe(
     shared file system) never reads a half-written recipe. ``folder`` replaces the results dir
     (nodes other than node 0 write theirs to a private folder: node 0 owns the run folder).
 
-    >>> write_resolved_recipe(load_recipe("recipes/digits_dit.yaml"))  # doctest: +SKIP
-    PosixPath('results/digits/recipe.resolved.yaml')
+    Example:
+        >>> from litegen_cli.recipe import load_recipe
+        >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
+        >>> _ = Path("recipe.yaml").write_text("launch: {entry: entry.py}\\nglobal_batch_size: 8\\n")
+        >>> write_resolved_recipe(load_recipe("recipe.yaml"))
+        PosixPath('.../results/default_exp/recipe.resolved.yaml')
     """
     results_dir = Path(folder or recipe.config.get_results_dir())
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +131,9 @@ def launch(recipe: Recipe) -> Path:
     Returns the resolved recipe path when every rank exits 0; raises LaunchFailed when a
     rank fails and RecipeError when the recipe is unusable (nothing is spawned then).
 
-    >>> launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))  # doctest: +SKIP
+    Example::
+
+        launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))
     """
     derive_plan(recipe)  # raises before anything is written or spawned
     results = Path(recipe.config.get_results_dir())

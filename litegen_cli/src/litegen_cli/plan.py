@@ -52,9 +52,14 @@ def _get(section: Any, name: str, default: Any) -> Any:
 def derive_plan(recipe: Recipe) -> RunPlan:
     """Derive the plan; raise RecipeError when the batch does not split evenly over ranks.
 
-    >>> plan = derive_plan(load_recipe("recipes/digits_dit.yaml"))  # doctest: +SKIP
-    >>> plan.world_size, plan.micro_batch  # doctest: +SKIP
-    (2, 16)
+    Example:
+        >>> from pathlib import Path
+        >>> from litegen_cli.recipe import load_recipe
+        >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
+        >>> _ = Path("recipe.yaml").write_text("launch: {entry: entry.py}\\nglobal_batch_size: 8\\n")
+        >>> plan = derive_plan(load_recipe("recipe.yaml", ["launch.nproc_per_node=2"]))
+        >>> plan.world_size, plan.micro_batch
+        (2, 4)
     """
     cfg = recipe.config
     parallel = _get(_get(cfg, "optimization", None), "parallel", None)
@@ -155,8 +160,13 @@ def runtime_refusals(recipe: Recipe) -> list[str]:
 
     Checked for the general ``optimization`` section and every profile.
 
-    >>> runtime_refusals(load_recipe("hsdp_on_one_node.yaml"))  # doctest: +SKIP
-    ["field 'optimization.parallel.strategy': 'hsdp' replicates across nodes and needs ..."]
+    Example:
+        >>> from pathlib import Path
+        >>> from litegen_cli.recipe import load_recipe
+        >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
+        >>> _ = Path("recipe.yaml").write_text("launch: {entry: entry.py}\\nglobal_batch_size: 8\\n")
+        >>> runtime_refusals(load_recipe("recipe.yaml", ["optimization.parallel.strategy=hsdp"]))
+        ["field 'optimization.parallel.strategy': 'hsdp' replicates across nodes and needs ..."]
     """
     cfg = recipe.config
     device = cfg.runtime.device

@@ -270,9 +270,12 @@ def load_recipe(
 
     ``env`` defaults to ``os.environ`` and is only read for SLURM variables.
 
-    >>> recipe = load_recipe("recipes/digits_dit.yaml", ["launch.nproc_per_node=2"])  # doctest: +SKIP
-    >>> recipe.launch.nproc_per_node  # doctest: +SKIP
-    2
+    Example:
+        >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
+        >>> _ = Path("recipe.yaml").write_text("launch: {entry: entry.py}\\nglobal_batch_size: 8\\n")
+        >>> recipe = load_recipe("recipe.yaml", ["launch.nproc_per_node=2"])
+        >>> recipe.launch.nproc_per_node
+        2
     """
     path = Path(path).expanduser().absolute()
     return recipe_from_data(read_recipe_file(path), path, overrides, env)

@@ -36,7 +36,9 @@ def _add_leaf(tree: Tree, key: Any, value: Any) -> None:
 def config_tree(recipe: Recipe) -> Tree:
     """The resolved recipe (launch + validated config) as a rich tree.
 
-    >>> console.print(config_tree(load_recipe("recipes/digits_dit.yaml")))  # doctest: +SKIP
+    Example::
+
+        console.print(config_tree(load_recipe("recipes/digits_dit.yaml")))
     """
     tree = Tree(f"[bold]{escape(str(recipe.path))}[/] (resolved)")
     _add(tree, recipe.resolved_dict())
@@ -46,7 +48,9 @@ def config_tree(recipe: Recipe) -> Tree:
 def plan_table(plan: RunPlan) -> Table:
     """The derived plan as a two-column table.
 
-    >>> console.print(plan_table(derive_plan(recipe)))  # doctest: +SKIP
+    Example::
+
+        console.print(plan_table(derive_plan(recipe)))
     """
     table = Table(title="Run plan", show_header=False, title_justify="left")
     table.add_column(style="bold")

@@ -47,10 +47,10 @@ def resume_recipe(
     Raises RecipeError, naming the path and the problem, for a missing, partial or corrupt
     checkpoint; nothing is written.
 
-    Example:
-        >>> recipe, changes = resume_recipe(Path("results/dit/step_500"), ["max_steps=2000"])  # doctest: +SKIP
-        >>> changes  # doctest: +SKIP
-        ['max_steps: 1000 -> 2000']
+    Example::
+
+        recipe, changes = resume_recipe(Path("results/dit/step_500"), ["max_steps=2000"])
+        changes
     """
     from litegen.checkpoint.manifest import MANIFEST
     from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint

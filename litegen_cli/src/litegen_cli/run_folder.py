@@ -59,7 +59,8 @@ class RunFolderError(Exception):
 def run_folders(config: Any) -> list[Path]:
     """The folders a run writes: results_dir, and checkpoint_dir when it lies outside it.
 
-    >>> run_folders(MainConfig(results_dir="/r", checkpoint_dir="/c"))  # doctest: +SKIP
+    >>> from litegen.config import MainConfig
+    >>> run_folders(MainConfig(results_dir="/r", checkpoint_dir="/c"))
     [PosixPath('/r'), PosixPath('/c')]
     """
     results = Path(config.get_results_dir()).absolute()
@@ -70,8 +71,15 @@ def run_folders(config: Any) -> list[Path]:
 def earlier_run(config: Any) -> list[str]:
     """What of another run the folders hold, one line per kind (empty: nothing).
 
-    >>> earlier_run(config)  # doctest: +SKIP
-    ['2 run checkpoints in /r (latest: step_4)', '/r/metrics.jsonl (4 records)']
+    Example:
+        >>> from litegen.config import MainConfig
+        >>> config = MainConfig(results_dir="r")
+        >>> earlier_run(config)
+        []
+        >>> Path("r").mkdir()
+        >>> _ = Path("r/metrics.jsonl").write_text('{"step": 1}\\n')
+        >>> earlier_run(config)
+        ['.../r/metrics.jsonl (1 record(s))']
     """
     found = []
     checkpoints = Path(config.get_checkpoint_dir()).absolute()
@@ -110,8 +118,10 @@ def claim_run_folder(
     anything is written when the folders are in use or hold another run.
 
     Example:
-        >>> with claim_run_folder(recipe.config, overwrite=True) as notes:  # doctest: +SKIP
-        ...     launch(recipe)
+        >>> from litegen.config import MainConfig
+        >>> with claim_run_folder(MainConfig(results_dir="r"), overwrite=True) as notes:
+        ...     notes  # nothing was there to move aside
+        []
     """
     if node_rank != 0:
         yield []
@@ -143,8 +153,9 @@ def claim_run_folder(
 def move_aside(folder: Path) -> Path:
     """Rename ``folder`` to ``<folder>.old-<date>-<time>`` (locked meanwhile); the new name.
 
-    >>> move_aside(Path("results/dit"))  # doctest: +SKIP
-    PosixPath('results/dit.old-20250101-120000')
+    >>> Path("results/dit").mkdir(parents=True)
+    >>> move_aside(Path("results/dit"))
+    PosixPath('results/dit.old-...')
     """
     target = _aside_name(folder)
     with RunLock(folder) as lock:  # no live run may write there while it moves
@@ -244,8 +255,11 @@ class RunLock:
     a lock is stale.
 
     Example:
-        >>> with RunLock(Path("results/dit")):  # doctest: +SKIP
-        ...     train()
+        >>> with RunLock(Path("results/dit")) as lock:
+        ...     lock.path.exists()  # the run writes into results/dit meanwhile
+        True
+        >>> lock.path.exists()
+        False
     """
 
     def __init__(self, folder: Path) -> None:

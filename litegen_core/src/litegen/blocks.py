@@ -16,6 +16,8 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     """Dotted paths of the model's repeated blocks, in forward (registration) order.
 
     Example:
+        >>> dit = nn.Module()
+        >>> dit.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
         >>> repeated_blocks(dit)
         ['blocks.0', 'blocks.1', 'blocks.2']
     """

@@ -65,7 +65,10 @@ only) rather than process-wide. A model compiled whole (no repeated blocks) keep
 its backward is one autograd node, and only the split lets its all-reduces overlap it.
 
 Example:
-    >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))
+    >>> from litegen.config.sections import CompileConfig
+    >>> dit = nn.Module()
+    >>> dit.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4))
+    >>> compile_blocks(dit, CompileConfig(enabled=True, dynamic=None))  # compiled at first call
     ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
 """
 
@@ -166,8 +169,9 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
 def correct_gradient_options() -> dict[str, Any]:
     """Inductor options that compiled regions need for correct gradients (module docstring).
 
-    Example:
-        >>> torch.compile(block.forward, options=correct_gradient_options())  # a hand-written loop
+    Example::
+
+        torch.compile(block.forward, options=correct_gradient_options())  # a hand-written loop
     """
     from torch._inductor import config as inductor_config
 
@@ -185,6 +189,7 @@ def compile_kwargs(compile_cfg: Any, backend: str | Callable | None = None) -> d
     correctness options and then the user's (module docstring).
 
     Example:
+        >>> from litegen.config.sections import CompileConfig
         >>> compile_kwargs(CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
         {'dynamic': False, 'options': {'max_autotune': True, 'coordinate_descent_tuning': True,
          'triton.mix_order_reduction': False}}
@@ -237,6 +242,9 @@ def compile_blocks(
     every call of a compiled block (module docstring).
 
     Example:
+        >>> from litegen.config.sections import CompileConfig
+        >>> dit = nn.Module()
+        >>> dit.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
         >>> compile_blocks(dit, CompileConfig(enabled=True, mode="max-autotune-no-cudagraphs"))
         ['blocks.0', 'blocks.1']
     """

@@ -96,7 +96,12 @@ class BufferMirror:
     averaged).
 
     Example:
-        >>> mirror = BufferMirror(model); mirror.refresh(); mirror.copies["norm.running_mean"]
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        >>> mirror = BufferMirror(model)
+        >>> _ = model(torch.ones(8, 4))  # a training step moves the running statistics
+        >>> mirror.refresh()
+        >>> torch.equal(mirror.copies["1.running_mean"], model[1].running_mean)
+        True
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -125,10 +130,11 @@ class BufferMirror:
 class EMA:
     """An FP32 moving average of ``model``'s parameters, sharded like the strategy's layout.
 
-    Example:
-        >>> ema = EMA(model, mesh=dp_mesh(plan), optimizer=optimizer)  # ema.sharded: true
-        >>> ema.update(decay=0.999)
-        >>> full = ema.state_dict()  # collective: every rank calls it
+    Example::
+
+        ema = EMA(model, mesh=dp_mesh(plan), optimizer=optimizer)  # ema.sharded: true
+        ema.update(decay=0.999)
+        full = ema.state_dict()  # collective: every rank calls it
     """
 
     def __init__(
@@ -229,8 +235,9 @@ class WrappedCopyEMA:
     element-wise (the trainable ones); gathering and DCP go through the strategy like for the
     model itself.
 
-    Example:
-        >>> ema = WrappedCopyEMA(model, strategy.wrap_model(copy.float()), strategy)
+    Example::
+
+        ema = WrappedCopyEMA(model, strategy.wrap_model(copy.float()), strategy)
     """
 
     def __init__(self, model: nn.Module, copy: nn.Module, strategy) -> None:

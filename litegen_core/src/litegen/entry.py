@@ -99,6 +99,10 @@ def parts_to_prepare(built: Any, entry: str) -> list[str]:
     """The names of the ``build(config)`` values to prepare; ``ValueError`` naming the fix when
     it is not a dict with exactly one dataset (or DataLoader) and at least one optimizer.
 
+    >>> from torch.utils.data import TensorDataset
+    >>> m = nn.Linear(4, 1)
+    >>> o = torch.optim.SGD(m.parameters(), lr=0.1)
+    >>> ds, x, y = TensorDataset(torch.randn(8, 4)), torch.randn(2, 4), torch.randn(2, 1)
     >>> parts_to_prepare({"model": m, "optimizer": o, "data": ds, "val": (x, y)}, "e.py")
     ['model', 'optimizer', 'data']
     """
@@ -140,7 +144,16 @@ def check_inputs(config: Any, entry: str, base_dir: str | Path | None = None) ->
     start (``run_entry`` calls it too, before ``initialize``).
 
     Example:
-        >>> check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)  # doctest: +SKIP
+        >>> from litegen.config import MainConfig
+        >>> _ = Path("checked_entry.py").write_text(
+        ...     "def build(config): ...\\n"
+        ...     "def train_step(batch): ...\\n"
+        ...     "def check_inputs(config):\\n"
+        ...     "    raise ValueError('no folder data/; create it')\\n"
+        ... )
+        >>> check_inputs(MainConfig(), "checked_entry.py", ".")
+        Traceback (most recent call last):
+        ValueError: no folder data/; create it
     """
     hook = getattr(load_entry(entry, base_dir), "check_inputs", None)
     if callable(hook):

@@ -49,9 +49,9 @@ def write_export(
     ``state`` as its transformer, written under a temporary name and renamed into place. Call
     on one process.
 
-    Example:
-        >>> write_export(dit, gen.full_model_state(), "tiny_flux", "results/pipeline", name="ft")
-        PosixPath('results/pipeline')
+    Example::
+
+        write_export(dit, gen.full_model_state(), "tiny_flux", "results/pipeline", name="ft")
     """
     out = Path(out)
     if has_adapters(transformer):
@@ -78,9 +78,10 @@ def checkpoint_weights(
     (``step_<N>/model_0``), the EMA's where it averaged them with ``ema``. Reads in this process
     alone, whatever the number of ranks that saved it.
 
-    Example:
-        >>> transformer.load_state_dict(checkpoint_weights("run/step_500/model_0", transformer,
-        ...                                                ema=False))
+    Example::
+
+        transformer.load_state_dict(checkpoint_weights("run/step_500/model_0", transformer,
+                                                       ema=False))
     """
     import torch.distributed.checkpoint as dcp
 
@@ -132,9 +133,9 @@ def export_checkpoint(
     ``pipeline``: the pipeline folder the run fine-tuned (default: its ``model.pretrained``).
     Raises ``ValueError`` or ``FileNotFoundError`` naming the path and the fix.
 
-    Example:
-        >>> export_checkpoint("results/finetune_video/step_500", "exported")
-        PosixPath('exported')
+    Example::
+
+        export_checkpoint("results/finetune_video/step_500", "exported")
     """
     step_dir = resolve_checkpoint(checkpoint)
     config = read_config_text(step_dir)

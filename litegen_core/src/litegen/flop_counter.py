@@ -11,9 +11,11 @@ counts: eager ops, eager formulas; with activation checkpointing the recomputed 
 (outside the compiled region, the whole forward, which is what a compiled region recomputes).
 
 Example:
+    >>> model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     >>> with FlopCounter() as counter:
     ...     loss = model(x).mean(); loss.backward()
-    >>> counter.flops
+    >>> counter.flops  # forward 2*4*8*8, backward the same again for the weight's gradient
+    1024
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class FlopCounter:
     One counter at a time.
 
     Example:
+        >>> model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
         >>> with FlopCounter() as counter:
         ...     loss = model(x).mean(); loss.backward()
         >>> counter.flops > 0
@@ -106,8 +109,9 @@ def call_compiled(compiled: Callable, eager: Callable, args: tuple, kwargs: dict
     no memory and changes no result. :func:`litegen.compile.compile_blocks` calls its regions
     through this.
 
-    Example:
-        >>> out = call_compiled(compiled_block, block.forward, (x,), {"c": c})
+    Example::
+
+        out = call_compiled(compiled_block, block.forward, (x,), {"c": c})
     """
     counter = _active
     if counter is None:

@@ -18,11 +18,12 @@ bf16). For H200 we use 790 TFLOP/s, the bf16 matmul rate measured on our H200s, 
 the datasheet, so the MFU we log is the one the targets are stated in. On CPU, or a GPU not in
 the table, MFU is left out unless ``trainer.peak_tflops`` is set.
 
-Example:
-    >>> counter = FlopCounter()
-    >>> with counter:
-    ...     model(x).sum().backward()
-    >>> mfu(counter.flops, step_seconds=0.5, peak=peak_flops("cuda"))
+Example::
+
+    counter = FlopCounter()
+    with counter:
+        model(x).sum().backward()
+    mfu(counter.flops, step_seconds=0.5, peak=peak_flops("cuda"))
 """
 
 from __future__ import annotations
@@ -148,11 +149,12 @@ class StepThroughput:
     FLOPs are counted only when a peak is known (else MFU could not be reported anyway), on the
     first micro-batch ``count()`` wraps; ``accum`` micro-batches make one optimizer step.
 
-    Example:
-        >>> meter = StepThroughput(model, device=gen.device, world_size=2, samples_per_step=256)
-        >>> with meter.count():
-        ...     train_step(batch).backward()
-        >>> meter.metrics(steps=10, seconds=4.0)["mfu"]
+    Example::
+
+        meter = StepThroughput(model, device=gen.device, world_size=2, samples_per_step=256)
+        with meter.count():
+            train_step(batch).backward()
+        meter.metrics(steps=10, seconds=4.0)["mfu"]
     """
 
     def __init__(

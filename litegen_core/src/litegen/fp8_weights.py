@@ -128,9 +128,9 @@ def store_frozen_linears_in_fp8(model: nn.Module, scaling: Scaling) -> list[str]
     """Replace every ``nn.Linear`` of ``model`` whose parameters are all frozen with an
     :class:`FP8Linear`, in place; returns their paths.
 
-    Example:
-        >>> store_frozen_linears_in_fp8(lora_model, "tensorwise")[:1]
-        ['blocks.0.mlp.0.base_layer']
+    Example::
+
+        store_frozen_linears_in_fp8(lora_model, "tensorwise")[:1]
     """
     replaced = []
     for path, module in list(model.named_modules()):

@@ -21,9 +21,9 @@ and ``state_dict`` keys stay the user's. A routed forward (:func:`call_routed`) 
 again at every call and runs the original forward when it has changed since (an FSDP unit
 wrapped around one of its linears, a hook added, a layer replaced or sliced off).
 
-Example:
-    >>> route_gelu_mlps(dit, my_forward)  # before compile and wrapping
-    28
+Example::
+
+    route_gelu_mlps(dit, my_forward)  # before compile and wrapping
 """
 
 from __future__ import annotations
@@ -130,7 +130,14 @@ def routed_forward(module: nn.Module) -> Callable[..., Tensor] | None:
     """The forward :func:`route_gelu_mlps` routed ``module`` through, else None.
 
     Example:
-        >>> routed_forward(dit.blocks[0].mlp) is my_forward
+        >>> def traced_forward(module, x):
+        ...     return original_forward(module, x)
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+        >>> routed_forward(mlp) is None
+        True
+        >>> route_gelu_mlps(mlp, traced_forward)
+        1
+        >>> routed_forward(mlp) is traced_forward
         True
     """
     return type(module).__dict__.get(_ROUTED)
@@ -204,7 +211,10 @@ def route_gelu_mlps(model: nn.Module, forward: Callable[..., Tensor]) -> int:
     many MLPs of ``model`` are routed through ``forward``, including any routed before.
 
     Example:
-        >>> route_gelu_mlps(nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8)), f)
+        >>> def traced_forward(module, x):
+        ...     return original_forward(module, x)
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+        >>> route_gelu_mlps(mlp, traced_forward)
         1
     """
     count = 0

@@ -63,8 +63,10 @@ def adapter_layers(model: nn.Module) -> list[nn.Module]:
     """peft's adapter layers inside ``model`` (none when peft was never imported).
 
     Example:
-        >>> len(adapter_layers(apply_lora(dit, cfg))) > 0
-        True
+        >>> from litegen.config.sections import LoRAConfig
+        >>> dit = nn.ModuleDict({"to_q": nn.Linear(8, 8), "to_v": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+        >>> len(adapter_layers(apply_lora(dit, LoRAConfig(rank=4, target_modules=["to_q", "to_v"]))))
+        2
     """
     if "peft" not in sys.modules:  # a model cannot carry adapters without peft loaded
         return []
@@ -87,7 +89,12 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     ``inject_adapter_in_model``. A model that already carries adapters is returned unchanged.
 
     Example:
-        >>> apply_lora(dit, LoRAConfig(rank=8, target_modules=["to_q", "to_v"]))
+        >>> from litegen.config.sections import LoRAConfig
+        >>> dit = nn.ModuleDict({"to_q": nn.Linear(8, 8), "to_v": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+        >>> dit = apply_lora(dit, LoRAConfig(rank=8, target_modules=["to_q", "to_v"]))
+        >>> [name for name, p in dit.named_parameters() if p.requires_grad]
+        ['to_q.lora_A.default.weight', 'to_q.lora_B.default.weight',
+         'to_v.lora_A.default.weight', 'to_v.lora_B.default.weight']
     """
     if has_adapters(model):
         log.info(
@@ -142,8 +149,13 @@ def train_adapters(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     parameters only is left as it is.
 
     Example:
+        >>> from litegen.config.sections import LoRAConfig
+        >>> model = nn.ModuleDict({"to_q": nn.Linear(8, 8), "to_v": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        >>> apply_lora(model, cfg); train_adapters(optimizer, model)
+        >>> model = apply_lora(model, LoRAConfig(rank=4, target_modules=["to_q", "to_v"]))
+        >>> train_adapters(optimizer, model)
+        >>> sum(p.numel() for group in optimizer.param_groups for p in group["params"])  # 4 x (8 x 4)
+        128
     """
     groups = optimizer.param_groups
     group_of = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
@@ -239,9 +251,12 @@ def adapter_file_state(
     means the same to loaders that read the metadata and to those that do not.
 
     Example:
-        >>> tensors, metadata = adapter_file_state(dit, gathered, prefix="transformer")
+        >>> from litegen.config.sections import LoRAConfig
+        >>> dit = nn.ModuleDict({"to_q": nn.Linear(8, 8), "to_v": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+        >>> dit = apply_lora(dit, LoRAConfig(rank=4, target_modules=["to_q", "to_v"]))
+        >>> tensors, metadata = adapter_file_state(dit, dit.state_dict(), prefix="transformer")
         >>> next(iter(tensors))
-        'transformer.transformer_blocks.0.attn1.to_q.lora_A.weight'
+        'transformer.to_q.lora_A.weight'
     """
     adapter = _adapter_name(model)
     scales = _scales(model, adapter)
@@ -268,7 +283,11 @@ def save_peft_folder(model: nn.Module, state: Mapping[str, torch.Tensor], folder
     ``peft.PeftModel.from_pretrained(base_model, folder)`` loads. Call on one rank.
 
     Example:
-        >>> save_peft_folder(dit, gen.full_model_state(model), Path("run.peft"))
+        >>> from litegen.config.sections import LoRAConfig
+        >>> dit = nn.ModuleDict({"to_q": nn.Linear(8, 8), "to_v": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+        >>> dit = apply_lora(dit, LoRAConfig(rank=4, target_modules=["to_q", "to_v"]))
+        >>> sorted(p.name for p in save_peft_folder(dit, dit.state_dict(), Path("run.peft")).iterdir())
+        ['adapter_config.json', 'adapter_model.safetensors']
     """
     from litegen.checkpoint.files import save_state
 
@@ -304,8 +323,9 @@ def model_keyed(
 ) -> dict[str, torch.Tensor]:
     """An adapter file's tensors keyed like ``model``'s state dict; ValueError on a mismatch.
 
-    Example:
-        >>> model_keyed(dit, load_state("dit.lora.safetensors"), "transformer", path)
+    Example::
+
+        model_keyed(dit, load_state("dit.lora.safetensors"), "transformer", path)
     """
     names = _exported_names(model)
     scales = _scales(model, _adapter_name(model))

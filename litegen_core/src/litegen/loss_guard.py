@@ -34,9 +34,11 @@ class LossGuard:
     """Deferred non-finite checks for ``on_nan: abort``; an immediate one for ``skip``.
 
     Example:
-        >>> guard = LossGuard(device)
-        >>> guard.defer(loss_sum, step=7)   # queues the check, returns at once
-        >>> guard.raise_if_nonfinite()      # raises FloatingPointError naming step 7
+        >>> guard = LossGuard(torch.device("cpu"))
+        >>> guard.defer(torch.tensor(float("nan")), step=7)  # queues the check, returns at once
+        >>> guard.raise_if_nonfinite()
+        Traceback (most recent call last):
+        FloatingPointError: ...step 7...
     """
 
     def __init__(self, device: torch.device, note: Callable[[], str] | None = None) -> None:

@@ -46,6 +46,7 @@ class MetricsLogger:
         >>> with MetricsLogger("results/run", total_steps=100, enabled=True,
         ...                    loggers=["tensorboard"]) as metrics:
         ...     metrics.log(step=1, loss=0.5)
+        step 1/100  loss 0.5  eta ...
     """
 
     def __init__(

@@ -11,8 +11,10 @@ def submodules_at(model: nn.Module, paths: Iterable[str], field: str) -> dict[st
     """The modules ``paths`` name; a ValueError naming ``field`` lists any that do not exist.
 
     Example:
+        >>> dit = nn.Module()
+        >>> dit.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
         >>> submodules_at(dit, ["blocks.0"], "optimization.memory.activation_checkpoint.target_paths")
-        {'blocks.0': DiTBlock(...)}
+        {'blocks.0': Linear(in_features=8, out_features=8, bias=True)}
     """
     modules = dict(model.named_modules())
     paths = list(paths)

@@ -45,7 +45,9 @@ def configure_optimizer(
     ``fp32_master_weights`` is then ignored with a warning naming ``strategy``.
 
     Example:
-        >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), cfg.optimization.optimizer)
+        >>> from litegen.config.sections import OptimizerConfig
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = configure_optimizer(torch.optim.AdamW(model.parameters()), OptimizerConfig())
     """
     apply_backend(optimizer, settings)
     if settings.fp32_master_weights:
@@ -67,7 +69,11 @@ def apply_backend(optimizer: torch.optim.Optimizer, settings: Any) -> None:
     AdamW(fused=True) stays fused; a backend written in the config overrides it.
 
     Example:
-        >>> apply_backend(opt, cfg.optimization.optimizer)
+        >>> from litegen.config.sections import OptimizerConfig
+        >>> opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), foreach=False)
+        >>> apply_backend(opt, OptimizerConfig(backend="foreach"))
+        >>> opt.param_groups[0]["foreach"]
+        True
     """
     if settings.backend is not None:
         set_backend(optimizer, settings.backend)
@@ -77,7 +83,10 @@ def set_backend(optimizer: torch.optim.Optimizer, backend: str) -> None:
     """Set the ``foreach``/``fused`` flags of every param group (and the defaults).
 
     Example:
+        >>> opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
         >>> set_backend(opt, "foreach")
+        >>> opt.param_groups[0]["foreach"]
+        True
     """
     flags = {
         "single_tensor": {"foreach": False, "fused": None},
@@ -112,7 +121,13 @@ def enable_master_weights(optimizer: torch.optim.Optimizer) -> None:
     Idempotent; a no-op when every parameter is already FP32.
 
     Example:
-        >>> enable_master_weights(torch.optim.AdamW(bf16_model.parameters()))
+        >>> bf16_model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        >>> optimizer = torch.optim.AdamW(bf16_model.parameters())
+        >>> enable_master_weights(optimizer)
+        >>> bf16_model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+        >>> optimizer.step()
+        >>> optimizer.state[bf16_model.weight]["master"].dtype
+        torch.float32
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not any(p.dtype in _LOW_PRECISION for p in params):
@@ -144,8 +159,9 @@ group (torch's AdamW then does)."""
 def set_master_step_kernel(optimizer: torch.optim.Optimizer, kernel: MasterStepKernel) -> None:
     """Have ``kernel`` step the FP32 masters of groups with ``fused`` set (see module docs).
 
-    Example:
-        >>> set_master_step_kernel(optimizer, master_adamw.one_pass_step)
+    Example::
+
+        set_master_step_kernel(optimizer, master_adamw.one_pass_step)
     """
     optimizer._litegen_master_kernel = kernel
 

@@ -20,7 +20,10 @@ def cast_model(model: nn.Module, dtype: str, exclude_paths: Iterable[str] = ()) 
     """Cast every floating parameter and buffer to ``dtype``, except under ``exclude_paths``.
 
     Example:
-        >>> cast_model(model, "bf16", exclude_paths=["final_layer"])
+        >>> model = nn.ModuleDict({"block": nn.Linear(4, 4), "final_layer": nn.Linear(4, 4)})
+        >>> model = cast_model(model, "bf16", exclude_paths=["final_layer"])
+        >>> model["block"].weight.dtype, model["final_layer"].weight.dtype
+        (torch.bfloat16, torch.float32)
     """
     target = DTYPES[dtype]
     excluded = list(
@@ -45,6 +48,7 @@ def fsdp2_mixed_policy(cfg) -> torch.distributed.fsdp.MixedPrecisionPolicy:
     Unset dtypes stay ``None``, which torch reads as "keep the storage/gradient dtype".
 
     Example:
+        >>> from litegen.config.sections import FSDP2MixedConfig
         >>> fsdp2_mixed_policy(FSDP2MixedConfig(param_dtype="bf16", reduce_dtype="fp32"))
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ...)
     """

@@ -8,10 +8,12 @@ without waiting at each :meth:`Readback.ready`), or all of them at the end. Each
 with the device time of its event, so rates over steps need no host sync either.
 
 Example:
-    >>> readback = Readback(torch.device("cuda"))
-    >>> readback.push(torch.stack([loss, grad_norm]), "step 7")   # returns at once
-    >>> for tag, values, when in readback.ready():                # the ones that have arrived
-    ...     print(tag, values, when)
+    >>> loss, grad_norm = torch.tensor(0.5), torch.tensor(2.0)
+    >>> readback = Readback(torch.device("cpu"))  # on CUDA, push returns before the copy is done
+    >>> readback.push(torch.stack([loss, grad_norm]), "step 7")
+    >>> for tag, values, when in readback.ready():  # the ones that have arrived
+    ...     print(tag, values)
+    step 7 [0.5, 2.0]
 """
 
 from __future__ import annotations

@@ -36,9 +36,14 @@ def fill_cache(
         batch_size: samples per ``encode_fn`` call.
 
     Example:
-        >>> cache = TensorCache(root, fingerprint(vae, resolution=256))  # doctest: +SKIP
-        >>> fill_cache(cache, dataset, lambda s: {"latent": encode_images(s)}, batch_size=32)
-        ...  # doctest: +SKIP
+        >>> import torch
+        >>> from litegen.cache import fingerprint
+        >>> cache = TensorCache("cache", fingerprint(version=1))
+        >>> dataset = [torch.full((4,), float(i)) for i in range(5)]
+        >>> fill_cache(cache, dataset, lambda s: {"latent": torch.stack(s)}, batch_size=2)
+        5
+        >>> fill_cache(cache, dataset, lambda s: {"latent": torch.stack(s)}, batch_size=2)
+        0
     """
     if rank is None or world_size is None:
         initialized = dist.is_available() and dist.is_initialized()

@@ -58,10 +58,12 @@ class TensorCache:
     Keys are compared as strings (``7`` and ``"7"`` are the same key).
 
     Example:
-        >>> cache = TensorCache("/data/cache", fingerprint(vae, resolution=256))  # doctest: +SKIP
-        >>> out = cache.get_or_compute(indices, lambda missing: {"latent": encode(missing)})
-        ...  # doctest: +SKIP
-        >>> cache.flush()  # doctest: +SKIP
+        >>> from litegen.cache import fingerprint
+        >>> cache = TensorCache("cache", fingerprint(resolution=256))
+        >>> out = cache.get_or_compute([0, 1], lambda missing: {"latent": torch.zeros(2, 4)})
+        >>> cache.flush()
+        >>> out[0]["latent"].shape, cache.get_or_compute([1], lambda missing: {})[0]["latent"].dtype
+        (torch.Size([4]), torch.bfloat16)
     """
 
     def __init__(
@@ -197,8 +199,12 @@ class TensorCache:
         Results come back as stored (cache dtype), so cached and fresh batches match.
 
         Example:
-            >>> out = cache.get_or_compute([3, 9], lambda ks: {"z": encode(ks)})  # doctest: +SKIP
-            >>> latents = torch.stack([o["z"] for o in out])  # doctest: +SKIP
+            >>> from litegen.cache import fingerprint
+            >>> cache = TensorCache("cache", fingerprint(version=1))
+            >>> encode = lambda ks: {"z": torch.tensor(ks, dtype=torch.float32)[:, None]}
+            >>> out = cache.get_or_compute([3, 9], encode)
+            >>> torch.stack([o["z"] for o in out]).flatten().tolist()
+            [3.0, 9.0]
         """
         names = [_key(k) for k in keys]
         found: dict[str, Tensors] = {}

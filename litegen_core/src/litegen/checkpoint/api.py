@@ -51,8 +51,9 @@ log = logging.getLogger("litegen")
 class CheckpointAPI:
     """``save_model``, ``save_optimizer``, ``save_ema``, ``save_model_state``, ``load`` & co.
 
-    Example:
-        >>> gen.save_optimizer(step=1000, state_format="full")
+    Example::
+
+        gen.save_optimizer(step=1000, state_format="full")
     """
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -91,8 +92,9 @@ class CheckpointAPI:
         A model with LoRA adapters (``optimization.lora`` or the user's peft model) writes the
         adapters alone, in diffusers' layout: ``<exp_name>.lora.safetensors`` by default.
 
-        Example:
-            >>> gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
+        Example::
+
+            gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
         """
         entry = self._entry(model)
         if has_adapters(entry.module):
@@ -107,8 +109,9 @@ class CheckpointAPI:
 
         Gathered from every rank's shard, so call it on every rank.
 
-        Example:
-            >>> sampler_model.load_state_dict(gen.full_model_state(model))
+        Example::
+
+            sampler_model.load_state_dict(gen.full_model_state(model))
         """
         entry = self._entry(model)
         return entry.strategy.full_model_state(entry.module)
@@ -158,8 +161,9 @@ class CheckpointAPI:
         It reshards on load, so a run saved on 4 ranks loads on 2. The folder is written under
         a temporary name and renamed into place once every rank is done. Call on every rank.
 
-        Example:
-            >>> gen.save_model_state("ckpt/step1000", optimizer=optimizer, ema=True)
+        Example::
+
+            gen.save_model_state("ckpt/step1000", optimizer=optimizer, ema=True)
         """
         import torch.distributed.checkpoint as dcp
 
@@ -217,9 +221,10 @@ class CheckpointAPI:
 
         The default folder is ``<checkpoint_dir>/<exp_name>.peft`` (``.ema.peft``).
 
-        Example:
-            >>> folder = gen.save_lora_peft()
-            >>> PeftModel.from_pretrained(base_model, folder)  # the trained model's outputs
+        Example::
+
+            folder = gen.save_lora_peft()
+            PeftModel.from_pretrained(base_model, folder)  # the trained model's outputs
         """
         entry = self._entry(model)
         if not has_adapters(entry.module):
@@ -248,8 +253,9 @@ class CheckpointAPI:
         the model. Raises ``ValueError`` without an EMA; ``full_sampling_state`` falls back to
         the model.
 
-        Example:
-            >>> sampler_model.load_state_dict(gen.full_ema_state())
+        Example::
+
+            sampler_model.load_state_dict(gen.full_ema_state())
         """
         if self.ema is None:
             raise ValueError("the EMA needs ema.enable: true and a prepared trainable model.")
@@ -263,8 +269,9 @@ class CheckpointAPI:
     def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The weights to sample with: the EMA's when ``ema.enable``, else the model's.
 
-        Example:
-            >>> sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
+        Example::
+
+            sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
         """
         return self.full_ema_state() if self.ema is not None else self.full_model_state(model)
 
@@ -305,8 +312,9 @@ class CheckpointAPI:
         """What a run checkpoint holds: each trainable model with its optimizer; the EMA goes
         with the first one.
 
-        Example:
-            >>> RunCheckpointer(gen.trainables, "results/dit").save(1000, state, files)
+        Example::
+
+            RunCheckpointer(gen.trainables, "results/dit").save(1000, state, files)
         """
         found = []
         for i, entry in enumerate(m for m in self.models if m.trainable):
@@ -350,8 +358,9 @@ class CheckpointAPI:
         ``output_folder``, by default ``<results_dir>/diffusers``; the folder is written under a
         temporary name and renamed into place.
 
-        Example:
-            >>> gen.save_diffusers()  # then DiTTransformer2DModel.from_pretrained(folder)
+        Example::
+
+            gen.save_diffusers()  # then DiTTransformer2DModel.from_pretrained(folder)
         """
         entry = self._entry(model)
         if has_adapters(entry.module):

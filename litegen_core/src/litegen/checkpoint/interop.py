@@ -55,8 +55,9 @@ def _index_files(folder: Path) -> list[Path]:
 def load_diffusers_weights(folder: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
     """The weights of a ``save_pretrained`` folder, on the CPU, keyed like the model.
 
-    Example:
-        >>> state = load_diffusers_weights("DiT-XL-2-256/transformer")  # doctest: +SKIP
+    Example::
+
+        state = load_diffusers_weights("DiT-XL-2-256/transformer")
     """
     folder = Path(folder)
     indexes = _index_files(folder)
@@ -91,8 +92,9 @@ def load_diffusers_weights(folder: str | Path, *, what: str = "checkpoint") -> d
 def load_model_source(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
     """Model weights from a file (LiteGen's or a plain state dict) or a diffusers folder.
 
-    Example:
-        >>> state = load_model_source(config.init_from, what="init_from")  # doctest: +SKIP
+    Example::
+
+        state = load_model_source(config.init_from, what="init_from")
     """
     path = Path(path)
     if path.is_dir():
@@ -146,8 +148,9 @@ def named_optimizer_state(
     ``param_names`` lists each param group's parameter names in the order of the optimizer the
     job built; ``shapes`` maps names to the model's tensors, to check per-element state.
 
-    Example:
-        >>> named = named_optimizer_state(torch.load("optimizer.pt"), [["w", "b"]], shapes, "o.pt")
+    Example::
+
+        named = named_optimizer_state(torch.load("optimizer.pt"), [["w", "b"]], shapes, "o.pt")
     """
     if "state" not in state or "param_groups" not in state:
         raise ValueError(

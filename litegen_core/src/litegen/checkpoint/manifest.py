@@ -6,9 +6,16 @@ any rank starts); digests need every byte read once, which the ranks share when 
 Checkpoints written before manifests existed have none: they load with a warning.
 
 Example:
-    >>> write_manifest(Path("results/dit/.step_500.tmp-1a2b3c4d"))  # doctest: +SKIP
-    >>> size_problems(Path("results/dit/step_500"), read_manifest(...))  # doctest: +SKIP
+    >>> from pathlib import Path
+    >>> Path("step_5").mkdir()
+    >>> _ = Path("step_5/config.yaml").write_text("seed: 0\\n")
+    >>> write_manifest(Path("step_5"))
+    PosixPath('step_5/MANIFEST.json')
+    >>> size_problems(Path("step_5"), read_manifest(Path("step_5")))
     []
+    >>> _ = Path("step_5/config.yaml").write_text("seed: 10\\n")
+    >>> size_problems(Path("step_5"), read_manifest(Path("step_5")))
+    ['step_5/config.yaml has 9 bytes, the manifest says 8']
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ _NOT_LISTED = {MANIFEST, "COMPLETE"}
 def file_digest(path: Path) -> str:
     """BLAKE2b (32 bytes) of a file's contents, as hex; reads it in chunks.
 
-    >>> file_digest(Path("config.yaml"))  # doctest: +SKIP
-    '8c1f...'
+    >>> _ = Path("config.yaml").write_text("seed: 0\\n")
+    >>> len(file_digest(Path("config.yaml")))  # 32 bytes as hex
+    64
     """
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, lambda: hashlib.blake2b(digest_size=32)).hexdigest()

@@ -14,9 +14,10 @@ class Publisher:
     Not a daemon: a run that ends while a checkpoint is being published finishes publishing it.
 
     Example:
-        >>> publisher = Publisher(print, "publishing")
-        >>> publisher.join() is None
-        True
+        >>> published = []
+        >>> publisher = Publisher(published.append, "step_1000")
+        >>> publisher.join() is None, published
+        (True, ['step_1000'])
     """
 
     def __init__(self, fn: Callable[..., None], *args: Any) -> None:
@@ -41,8 +42,9 @@ class Publisher:
 def default_store() -> Any:
     """The default process group's store (None where torch keeps none).
 
-    Example:
-        >>> default_store().set("litegen/done", "1")  # doctest: +SKIP
+    Example::
+
+        default_store().set("litegen/done", "1")
     """
     from torch.distributed import distributed_c10d
 

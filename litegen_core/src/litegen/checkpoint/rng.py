@@ -1,7 +1,11 @@
 """The global RNG states a run checkpoint saves per rank, and the trainer's hooks set aside.
 
 Example:
-    >>> state = capture_rng(torch.device("cpu")); torch.rand(1); restore_rng(state)
+    >>> state = capture_rng(torch.device("cpu"))
+    >>> first = torch.rand(1)
+    >>> restore_rng(state)
+    >>> torch.equal(torch.rand(1), first)
+    True
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     """Every global RNG state that training draws from on this rank.
 
     Example:
-        >>> state = capture_rng(); torch.rand(1); restore_rng(state)
+        >>> state = capture_rng()
+        >>> first = torch.rand(1)
+        >>> restore_rng(state)
+        >>> torch.equal(torch.rand(1), first)
+        True
     """
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {

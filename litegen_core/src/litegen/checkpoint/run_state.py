@@ -93,9 +93,9 @@ class Trainable:
     ``strategy`` is the model's :class:`litegen.parallel.base.Strategy` (its ``dcp_state`` and
     ``load_dcp_state``); ``ema`` an EMA with ``dcp_state``/``load_dcp_state``, or None.
 
-    Example:
-        >>> Trainable(model, optimizer, strategy, ema=None).dcp_state().keys()
-        dict_keys(['model', 'optimizer'])
+    Example::
+
+        Trainable(model, optimizer, strategy, ema=None).dcp_state().keys()
     """
 
     module: Any
@@ -119,8 +119,9 @@ class Trainable:
     def load(self, checkpoint_id: str | Path) -> None:
         """Load the DCP folder ``checkpoint_id`` into the model (optimizer, EMA) in place.
 
-        Example:
-            >>> Trainable(model, optimizer, strategy).load("ckpt/step_100/model_0")
+        Example::
+
+            Trainable(model, optimizer, strategy).load("ckpt/step_100/model_0")
         """
         import torch.distributed.checkpoint as dcp
 
@@ -147,10 +148,11 @@ class RunCheckpointer:
     ``trainables`` returns what to save (``LiteGen.trainables``); it is called at each save and
     load, so models prepared later are included.
 
-    Example:
-        >>> ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
-        >>> ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
-        >>> ckpt.wait()  # step_1000 is complete and `latest` (the next save waits too)
+    Example::
+
+        ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
+        ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
+        ckpt.wait()  # step_1000 is complete and `latest` (the next save waits too)
     """
 
     def __init__(

@@ -93,8 +93,8 @@ def write_failure(err: BaseException, folder: Path, step: int, last_good: Path |
 
     A full disk is named first ("No space left on device"), with the free space left there.
 
-    >>> write_failure(OSError(28, "No space left on device"), Path("/r"), 6, None)  # doctest: +SKIP
-    OSError('No space left on device: writing run checkpoint step_6 into /r failed (0 B free ...
+    >>> write_failure(OSError(28, "No space left on device"), Path("results"), 6, None)
+    OSError('No space left on device: writing run checkpoint step_6 into results failed (... free ...
     """
     cause = _first_cause(err)
     usage = _disk_usage(folder)

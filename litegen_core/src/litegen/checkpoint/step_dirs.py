@@ -31,7 +31,10 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root``, oldest step first.
 
     Example:
-        >>> list_checkpoints("results/dit")  # doctest: +SKIP
+        >>> for step in (500, 1000):
+        ...     Path(f"results/dit/step_{step}").mkdir(parents=True)
+        ...     Path(f"results/dit/step_{step}/COMPLETE").touch()
+        >>> list_checkpoints("results/dit")
         [(500, PosixPath('results/dit/step_500')), (1000, PosixPath('results/dit/step_1000'))]
     """
     root = Path(root)
@@ -57,7 +60,10 @@ def newer_checkpoints(root: str | Path, step: int) -> list[Path]:
     continues from ``step`` in ``root`` would replace.
 
     Example:
-        >>> newer_checkpoints("results/dit", 500)  # doctest: +SKIP
+        >>> for step in (500, 1000):
+        ...     Path(f"results/dit/step_{step}").mkdir(parents=True)
+        ...     Path(f"results/dit/step_{step}/COMPLETE").touch()
+        >>> newer_checkpoints("results/dit", 500)
         [PosixPath('results/dit/step_1000')]
     """
     return [path for saved, path in list_checkpoints(root) if saved > step]
@@ -84,9 +90,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
     Raises ``FileNotFoundError`` or ``ValueError`` naming the path and what is wrong; reads only.
 
-    Example:
-        >>> resolve_checkpoint("results/dit")  # doctest: +SKIP
-        PosixPath('results/dit/step_1000')
+    Example::
+
+        resolve_checkpoint("results/dit")
     """
     path = Path(path)
     if not path.exists():
@@ -146,7 +152,10 @@ def read_config_text(
     ``optional``: a missing or empty file reads as ``{}`` instead of raising.
 
     Example:
-        >>> launch = read_config_text(step_dir, "launch.yaml", optional=True)
+        >>> Path("step_10").mkdir()
+        >>> _ = Path("step_10/config.yaml").write_text("max_steps: 100\\n")
+        >>> read_config_text(Path("step_10")), read_config_text(Path("step_10"), "launch.yaml", optional=True)
+        ({'max_steps': 100}, {})
     """
     file = Path(path) / name
     if optional and not file.is_file():

@@ -8,8 +8,9 @@ turned into the full state (keyed by FQN, like ``get_optimizer_state_dict(full_s
 True)``) and cut again for another layout. The sharded file format is one ``torch.save`` file of
 pieces per rank plus a small JSON manifest at the requested path.
 
-Example:
-    >>> full = full_from_pieces([rank0_pieces, rank1_pieces], shapes)
+Example::
+
+    full = full_from_pieces([rank0_pieces, rank1_pieces], shapes)
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ def load_optimizer_state(path: Path) -> dict[str, Any]:
     Every rank reads the shards and assembles the whole state on the CPU, then keeps what
     its own layout needs; this is what makes a 4-rank save load into 2 ranks.
 
-    Example:
-        >>> state = load_optimizer_state(Path("ckpt/dit.optim_state.pth"))
+    Example::
+
+        state = load_optimizer_state(Path("ckpt/dit.optim_state.pth"))
     """
     manifest = read_manifest(Path(path))
     if manifest is None:

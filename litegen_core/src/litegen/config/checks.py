@@ -147,8 +147,9 @@ def ignored_options(config: Any) -> list[str]:
     or any profile's strategy reads it (profiles inherit it); an option set in a profile, when
     that profile's strategy reads it.
 
+    >>> from litegen.config import MainConfig
     >>> cfg = MainConfig(optimization={"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}})
-    >>> ignored_options(cfg)[0][:60]  # doctest: +SKIP
+    >>> ignored_options(cfg)[0][:62]
     "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16')"
     """
     optimization = config.optimization
@@ -315,8 +316,10 @@ def combination_problems(config: Any) -> list[tuple[str, str]]:
     ``optimization`` section or a profile (profiles inheriting the general problem are not
     repeated).
 
-    >>> cfg = MainConfig(optimization={"parallel": {"sp_size": 2, "strategy": "fsdp1"}})  # doctest: +SKIP
-    ConfigError: ... field 'optimization.parallel.sp_size': 2 does not work with
+    >>> from litegen.config import MainConfig
+    >>> MainConfig(optimization={"parallel": {"sp_size": 2, "strategy": "fsdp1"}})
+    Traceback (most recent call last):
+    litegen.config.base.ConfigError: ... field 'optimization.parallel.sp_size': 2 does not work with
     optimization.parallel.strategy ('fsdp1'): fsdp1 has no sequence-parallel layout; ...
     """
     optimization = config.optimization

@@ -32,8 +32,11 @@ class BucketBatchSampler(Sampler[list[int]]):
         >>> sampler = BucketBatchSampler(keys, global_batch_size=2, max_steps=4)
         >>> [{keys[i] for i in batch} for batch in sampler][0] in ({(32, 32)}, {(64, 32)})
         True
-        >>> loader = DataLoader(dataset, batch_sampler=BucketBatchSampler(keys))  # doctest: +SKIP
-        >>> model, optimizer, loader = gen.prepare(model, optimizer, loader)  # doctest: +SKIP
+
+        In a training script::
+
+            loader = DataLoader(dataset, batch_sampler=BucketBatchSampler(keys))
+            model, optimizer, loader = gen.prepare(model, optimizer, loader)
     """
 
     keys: Sequence[Hashable]

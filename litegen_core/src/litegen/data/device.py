@@ -16,7 +16,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
     all of its queued work.
 
     Example:
-        >>> images, captions = to_device((images, captions), torch.device("cuda"))
+        >>> images, captions = to_device((torch.zeros(2, 3, 8, 8), ["a fox", "a cat"]), torch.device("cpu"))
+        >>> images.device, captions
+        (device(type='cpu'), ['a fox', 'a cat'])
     """
     if isinstance(batch, torch.Tensor):
         if batch.device == device:

@@ -105,9 +105,10 @@ def build_dataloader(
 def prepare_data(data: Any, *, config: Any, dp_rank: int, dp_size: int) -> DataLoader:
     """The DataLoader ``prepare`` returns for a dataset or a DataLoader (see the module table).
 
-    Example:
-        >>> loader = prepare_data(DataLoader(ds, batch_sampler=my_buckets), config=cfg,
-        ...                       dp_rank=0, dp_size=2)  # doctest: +SKIP
+    Example::
+
+        loader = prepare_data(DataLoader(ds, batch_sampler=my_buckets), config=cfg,
+                              dp_rank=0, dp_size=2)
     """
     job = {"config": config, "dp_rank": dp_rank, "dp_size": dp_size}
     if not isinstance(data, DataLoader):

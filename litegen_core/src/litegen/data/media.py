@@ -8,10 +8,11 @@ of Wan and HunyuanVideo, ``8k+1`` of LTX-Video). A sample is resized to cover it
 cropped in the middle, so a :class:`~litegen.data.BucketBatchSampler` over
 :attr:`MediaDataset.keys` stacks batches without padding.
 
-Example:
-    >>> dataset = MediaDataset("clips/", buckets=MediaBuckets(resolution=480, max_frames=81))  # doctest: +SKIP
-    >>> loader = DataLoader(dataset, batch_sampler=BucketBatchSampler(dataset.keys))  # doctest: +SKIP
-    >>> model, optimizer, loader = gen.prepare(model, optimizer, loader)  # doctest: +SKIP
+Example::
+
+    dataset = MediaDataset("clips/", buckets=MediaBuckets(resolution=480, max_frames=81))
+    loader = DataLoader(dataset, batch_sampler=BucketBatchSampler(dataset.keys))
+    model, optimizer, loader = gen.prepare(model, optimizer, loader)
 """
 
 from __future__ import annotations
@@ -93,11 +94,11 @@ class MediaDataset(Dataset):
     (``on_bad="error"`` refuses the folder instead). See :func:`~litegen.data.media_files.scan_media`
     for where captions come from.
 
-    Example:
-        >>> dataset = MediaDataset("photos/", buckets=MediaBuckets(resolution=256))  # doctest: +SKIP
-        >>> pixels, caption = dataset[0]  # doctest: +SKIP
-        >>> pixels.shape == (3, *dataset.keys[0][1:])  # doctest: +SKIP
-        True
+    Example::
+
+        dataset = MediaDataset("photos/", buckets=MediaBuckets(resolution=256))
+        pixels, caption = dataset[0]
+        pixels.shape == (3, *dataset.keys[0][1:])
     """
 
     def __init__(

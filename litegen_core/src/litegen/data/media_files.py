@@ -60,10 +60,10 @@ def scan_media(
 ) -> tuple[list[MediaFile], list[BadFile]]:
     """The usable media files under ``root`` (sorted by path) and the bad ones.
 
-    Example:
-        >>> files, bad = scan_media("my_media/")  # doctest: +SKIP
-        >>> files[0].caption, files[0].width, files[0].height, files[0].frames  # doctest: +SKIP
-        ('a red fox in the snow', 640, 480, 81)
+    Example::
+
+        files, bad = scan_media("my_media/")
+        files[0].caption, files[0].width, files[0].height, files[0].frames
     """
     if on_bad not in ("skip", "error"):
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
@@ -103,8 +103,11 @@ def media_paths(root: str | Path, *, recursive: bool = True) -> list[Path]:
     folder before the ranks start.
 
     Example:
-        >>> media_paths("my_media/")[:1]  # doctest: +SKIP
-        [PosixPath('my_media/clips/fox.mp4')]
+        >>> from PIL import Image
+        >>> Path("my_media").mkdir()
+        >>> Image.new("RGB", (64, 48)).save("my_media/fox.png")
+        >>> media_paths("my_media/")
+        [PosixPath('my_media/fox.png')]
     """
     return _listing(Path(root), recursive)[1]
 

@@ -6,9 +6,10 @@ already drawn ahead. torchdata's ``StatefulDataLoader`` (iterable datasets) keep
 the batches it has handed out in its own ``state_dict``. Anything else has no position, and
 resume starts its data order again (with a warning).
 
-Example:
-    >>> state = data_state(loader, step=1000)        # saved in trainer/rank_<r>.pt
-    >>> load_data_state(loader, state, step=1000)    # before iter(loader)
+Example::
+
+    state = data_state(loader, step=1000)        # saved in trainer/rank_<r>.pt
+    load_data_state(loader, state, step=1000)    # before iter(loader)
 """
 
 from __future__ import annotations

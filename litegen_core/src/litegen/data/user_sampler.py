@@ -47,6 +47,7 @@ class RankBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches out of a user's batch sampler, for ``max_steps`` steps.
 
     Example:
+        >>> from torch.utils.data import BatchSampler, SequentialSampler
         >>> user = BatchSampler(SequentialSampler(range(8)), batch_size=2, drop_last=False)
         >>> list(RankBatchSampler(user, max_steps=2, dp_rank=1, dp_size=2))
         [[2, 3], [6, 7]]

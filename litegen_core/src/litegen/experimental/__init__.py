@@ -17,12 +17,13 @@ master-weight optimizer's kernel, a module swap).
   and rotary embedding in one Triton pass (:mod:`.wan_attention`, :mod:`.qk_norm_rope`; a
   diffusers processor swap).
 
-Example:
-    >>> from litegen.experimental import Lab
-    >>> lab = Lab(config.optimization.experimental, compile_options={})
-    >>> lab.swap_modules(model)                 # before checkpointing and compile
-    >>> compile_blocks(model, cfg, block_contexts=[lab.block_context()])
-    >>> lab.configure_optimizer(optimizer)      # after the strategy wrapped it
+Example::
+
+    from litegen.experimental import Lab
+    lab = Lab(config.optimization.experimental, compile_options={})
+    lab.swap_modules(model)                 # before checkpointing and compile
+    compile_blocks(model, cfg, block_contexts=[lab.block_context()])
+    lab.configure_optimizer(optimizer)      # after the strategy wrapped it
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ Both functions return ``None`` for a call cuBLASLt cannot serve (CPU, fp32, mixe
 non-contiguous or misaligned inputs, no algorithm for the shape), and the caller falls back to
 torch ops. cuBLASLt's GELU is the tanh approximation.
 
-Example:
-    >>> pre, h = gelu_aux_bias(x, w1, b1)  # doctest: +SKIP
+Example::
+
+    pre, h = gelu_aux_bias(x, w1, b1)
 """
 
 from __future__ import annotations
@@ -278,8 +279,9 @@ def gelu_aux_bias(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(pre, gelu(pre))`` with ``pre = x @ weight.T + bias`` in one GEMM; 2-D contiguous inputs.
 
-    Example:
-        >>> pre, h = gelu_aux_bias(x, fc1.weight, fc1.bias)  # doctest: +SKIP
+    Example::
+
+        pre, h = gelu_aux_bias(x, fc1.weight, fc1.bias)
     """
     if not servable(x, weight, bias):
         return None
@@ -302,8 +304,9 @@ def dgelu(grad_y: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torc
 
     ``pre`` is the aux output of :func:`gelu_aux_bias`.
 
-    Example:
-        >>> grad_pre = dgelu(grad_y, fc2.weight, pre)  # doctest: +SKIP
+    Example::
+
+        grad_pre = dgelu(grad_y, fc2.weight, pre)
     """
     if not servable(grad_y, weight, pre):
         return None

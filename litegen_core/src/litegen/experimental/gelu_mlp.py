@@ -16,8 +16,9 @@ so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inp
 cuBLASLt does not serve a shape, the same ops run with torch's kernels.
 :mod:`litegen.experimental.mlp_fusion` routes a model's MLPs through it.
 
-Example:
-    >>> y, pre, h = gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)  # x: (tokens, in)
+Example::
+
+    y, pre, h = gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)  # x: (tokens, in)
 """
 
 from __future__ import annotations

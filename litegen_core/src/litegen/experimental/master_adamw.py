@@ -14,9 +14,10 @@ are the optimizer's per-parameter step counters (FP32 tensors on the parameter's
 torch's fused AdamW keeps them); they are incremented here, and the kernel reads them, so no
 step count is copied to the host.
 
-Example:
-    >>> adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, steps,
-    ...                   lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # doctest: +SKIP
+Example::
+
+    adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, steps,
+                      lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ def servable(
     parameter's size on its CUDA device, the parameter and gradient bf16, fp16 or FP32, the
     master, moments and step FP32.
 
-    Example:
-        >>> servable([p], [p.grad], [master], [m], [v], [step])  # doctest: +SKIP
-        True
+    Example::
+
+        servable([p], [p.grad], [master], [m], [v], [step])
     """
     for p, grad, *fp32, step in zip(
         params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True
@@ -204,9 +205,10 @@ def adamw_master_step(
 ) -> None:
     """One AdamW step of ``masters`` (FP32) from low-precision ``grads``, rounded into ``params``.
 
-    Example:
-        >>> adamw_master_step([p], [p.grad], [master], [m], [v], [step], lr=1e-4,
-        ...                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # doctest: +SKIP
+    Example::
+
+        adamw_master_step([p], [p.grad], [master], [m], [v], [step], lr=1e-4,
+                          betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     """
     if not servable(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
         raise ValueError(
@@ -251,8 +253,9 @@ __all__ = ["adamw_master_step", "servable"]
 def one_pass_step(hyper: dict, *tensor_lists: list[torch.Tensor]) -> bool:
     """:data:`litegen.optim.MasterStepKernel`: this kernel where it serves the group, else False.
 
-    Example:
-        >>> set_master_step_kernel(optimizer, one_pass_step)
+    Example::
+
+        set_master_step_kernel(optimizer, one_pass_step)
     """
     numbers = (hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
     if not all(isinstance(v, int | float) for v in numbers):  # e.g. a tensor learning rate

@@ -8,9 +8,9 @@ through :func:`litegen.experimental.gelu_mlp.gelu_mlp` with the class swap of
 user's, and an MLP changed since (an FSDP unit around one of its linears, a hook) runs its own
 forward again.
 
-Example:
-    >>> apply_fused_gelu_mlp(dit)  # before compile and wrapping, as prepare does
-    28
+Example::
+
+    apply_fused_gelu_mlp(dit)  # before compile and wrapping, as prepare does
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def _fused_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Ten
 def is_fused(module: nn.Module) -> bool:
     """Whether :func:`apply_fused_gelu_mlp` routed ``module``.
 
-    Example:
-        >>> is_fused(dit.blocks[0].mlp)
-        True
+    Example::
+
+        is_fused(dit.blocks[0].mlp)
     """
     return routed_forward(module) is _fused_forward
 

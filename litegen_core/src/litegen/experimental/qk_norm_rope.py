@@ -11,8 +11,9 @@ The arithmetic is FP32 from the input to the single rounding of the output, as u
 autocast, where ``rms_norm`` runs in FP32 and the rotated query reaches attention in FP32.
 Off CUDA the same formula runs with torch's ops (:func:`reference`).
 
-Example:
-    >>> q = qk_norm_rope(q, attn.norm_q.weight, cos, sin, eps=1e-6)  # (B, L, H * D), q's dtype
+Example::
+
+    q = qk_norm_rope(q, attn.norm_q.weight, cos, sin, eps=1e-6)  # (B, L, H * D), q's dtype
 """
 
 from __future__ import annotations
@@ -141,9 +142,9 @@ def _backward_kernel(
 def reference(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
     """The op with torch's kernels: ``x`` ``(B, L, H * D)``, ``cos``/``sin`` ``(B or 1, L, 1, D)``.
 
-    Example:
-        >>> reference(q, attn.norm_q.weight, cos, sin, 1e-6).shape == q.shape
-        True
+    Example::
+
+        reference(q, attn.norm_q.weight, cos, sin, 1e-6).shape == q.shape
     """
     batch, tokens, width = x.shape
     head = cos.shape[-1]
@@ -286,9 +287,9 @@ def qk_norm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float
     ``cos`` and ``sin`` are ``(B or 1, L, 1, D)``, as diffusers' Wan passes them; a pair takes
     its cos from its even slot and its sin from its odd one.
 
-    Example:
-        >>> qk_norm_rope(torch.randn(1, 4, 8), torch.ones(8), cos, sin, 1e-6).shape
-        torch.Size([1, 4, 8])
+    Example::
+
+        qk_norm_rope(torch.randn(1, 4, 8), torch.ones(8), cos, sin, 1e-6).shape
     """
     batch, tokens = x.shape[:2]
     if cos.dim() != 4 or cos.shape[0] not in (1, batch) or cos.shape[1:3] != (tokens, 1):

@@ -23,10 +23,11 @@ threshold raised and those launch configs. :func:`persistent_rows_context` insta
 around calls of LiteGen's compiled blocks, where their forward and backward graphs compile, so
 other compiled code in the process is unchanged.
 
-Example:
-    >>> from torch._inductor.virtualized import V
-    >>> with V.set_choices_handler(PersistentRows(2048)):  # doctest: +SKIP
-    ...     y = compiled_block(x, c)  # its first call compiles forward and backward
+Example::
+
+    from torch._inductor.virtualized import V
+    with V.set_choices_handler(PersistentRows(2048)):
+        y = compiled_block(x, c)  # its first call compiles forward and backward
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ def persistent_rows_context(
     heuristics are set. ``compile_options`` are ``optimization.compile.options``: a user's own
     post-grad pass there turns the caches off instead.
 
-    Example:
-        >>> compile_blocks(dit, compile_cfg, block_contexts=[persistent_rows_context(2048)])
+    Example::
+
+        compile_blocks(dit, compile_cfg, block_contexts=[persistent_rows_context(2048)])
     """
     from torch._inductor.virtualized import V
 

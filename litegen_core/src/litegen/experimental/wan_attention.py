@@ -10,9 +10,9 @@ torch's ``scaled_dot_product_attention`` as diffusers does. Parameters, module t
 mask, no rotary embedding, diffusers' own context parallelism or attention backend, fused
 projections) runs the layer's original processor.
 
-Example:
-    >>> apply_fused_wan_attention(wan)  # before checkpointing, compile and wrapping
-    30
+Example::
+
+    apply_fused_wan_attention(wan)  # before checkpointing, compile and wrapping
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def _covers(
 def is_wan_self_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a diffusers ``WanAttention`` this module's processor can serve.
 
-    Example:
-        >>> is_wan_self_attention(wan.blocks[0].attn1), is_wan_self_attention(wan.blocks[0].attn2)
-        (True, False)
+    Example::
+
+        is_wan_self_attention(wan.blocks[0].attn1), is_wan_self_attention(wan.blocks[0].attn2)
     """
     if type(module).__name__ != "WanAttention" or getattr(module, "is_cross_attention", True):
         return False
@@ -128,9 +128,9 @@ def apply_fused_wan_attention(model: nn.Module) -> int:
     In place and idempotent; call before checkpointing, compile and wrapping, as ``prepare``
     does.
 
-    Example:
-        >>> apply_fused_wan_attention(wan)
-        30
+    Example::
+
+        apply_fused_wan_attention(wan)
     """
     swapped = 0
     for module in model.modules():

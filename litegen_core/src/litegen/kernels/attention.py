@@ -17,10 +17,11 @@ Backends:
   present, else FA2's ``flash_attn``) for the calls it supports (CUDA, fp16/bf16, no mask, head
   dim <= 256); other calls go to torch.
 
-Example:
-    >>> with attention_context("cudnn", torch.device("cuda")):
-    ...     loss = model(x).mean()
-    ...     loss.backward()
+Example::
+
+    with attention_context("cudnn", torch.device("cuda")):
+        loss = model(x).mean()
+        loss.backward()
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def attention_context(backend: str, device: torch.device | str) -> AbstractConte
     """The context to enter around forward and backward for ``backend`` on ``device``.
 
     Example:
+        >>> q = k = v = torch.randn(1, 2, 16, 8)  # (batch, heads, tokens, head dim)
         >>> with attention_context("math", "cpu"):
         ...     out = F.scaled_dot_product_attention(q, k, v)
+        >>> out.shape
+        torch.Size([1, 2, 16, 8])
     """
     device = torch.device(device)
     if backend not in NAMES:

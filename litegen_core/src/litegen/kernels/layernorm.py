@@ -32,8 +32,9 @@ def apply_fused_layernorm(model: nn.Module, *, fused_cls: LayerNormFactory | Non
     Returns:
         How many LayerNorms were swapped; 0 (with a one-time warning) without Apex.
 
-    Example:
-        >>> swapped = apply_fused_layernorm(model)  # doctest: +SKIP
+    Example::
+
+        swapped = apply_fused_layernorm(model)
     """
     if fused_cls is None:
         try:

@@ -9,6 +9,7 @@ the loop. Elsewhere (a log file, a cluster job's output) each logged step prints
 Example:
     >>> display = progress_display(total=1000, start=0)
     >>> display.record(120, status_of({"loss": 0.1234, "samples_per_s": 431.2}))
+    step 120/1000  loss 0.1234  samples/s 431.2  eta ...
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from litegen.loggers import scalar_tag
 
 
 class WandbSink:
-    """Example:
-    >>> sink = WandbSink(Path("results/dit"), "dit", WandbConfig()); sink.scalars(1, {"loss": 0.5})
+    """Example::
+
+    sink = WandbSink(Path("results/dit"), "dit", WandbConfig()); sink.scalars(1, {"loss": 0.5})
     """
 
     def __init__(

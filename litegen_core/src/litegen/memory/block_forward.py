@@ -46,7 +46,10 @@ def checkpointed_call(
     a closure, out of the offloader's reach.
 
     Example:
-        >>> out = checkpointed_call(block.forward, None, (x,), {"cond": c})
+        >>> block = nn.Bilinear(8, 4, 8)
+        >>> x, c = torch.randn(2, 8, requires_grad=True), torch.randn(2, 4)
+        >>> checkpointed_call(lambda x, cond: block(x, cond), None, (x,), {"cond": c}).shape
+        torch.Size([2, 8])
     """
     options: dict[str, Any] = {"use_reentrant": False}
     if context_fn is not None:
@@ -61,7 +64,10 @@ class BlockForward:
     """Replaces a candidate block's ``forward``; ``checkpoint`` and ``offload`` switch per call.
 
     Example:
+        >>> block = nn.Linear(8, 8)
         >>> block.forward = BlockForward(block.forward, checkpoint=True)
+        >>> block(torch.randn(2, 8)).shape  # its activations are recomputed in backward
+        torch.Size([2, 8])
         >>> block.forward.checkpoint = False  # from the next call on, the block runs plainly
     """
 
@@ -116,7 +122,11 @@ class BlockForward:
         """Compile the callables each mode runs with ``compile_fn`` (``compile_blocks`` does).
 
         Example:
-            >>> block.forward.compile(lambda fn: torch.compile(fn, backend="aot_eager"))
+            >>> block = nn.Linear(8, 8)
+            >>> block.forward = BlockForward(block.forward)
+            >>> block.forward.compile(lambda fn: torch.compile(fn, backend="eager"))
+            >>> block(torch.randn(2, 8)).shape
+            torch.Size([2, 8])
         """
         self.plain = compile_fn(self.original)
         if self.inside_compile:

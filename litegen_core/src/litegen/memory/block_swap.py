@@ -60,12 +60,12 @@ class BlockSwap:
     """Streams the frozen weights of ``model``'s repeated blocks after the first
     ``blocks_on_device`` from host memory.
 
-    Example:
-        >>> swap = BlockSwap(model, blocks_on_device=2, device=torch.device("cuda"))
-        >>> model = strategy.wrap_model(model)  # the whole model on the device once
-        >>> swap.to_host()  # the other blocks' frozen weights now wait in pinned memory
-        >>> loss_fn(model, batch).backward(); swap.stats.fetches
-        4
+    Example::
+
+        swap = BlockSwap(model, blocks_on_device=2, device=torch.device("cuda"))
+        model = strategy.wrap_model(model)  # the whole model on the device once
+        swap.to_host()  # the other blocks' frozen weights now wait in pinned memory
+        loss_fn(model, batch).backward(); swap.stats.fetches
     """
 
     def __init__(self, model: nn.Module, blocks_on_device: int, device: torch.device) -> None:

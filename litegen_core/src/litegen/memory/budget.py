@@ -121,9 +121,10 @@ def _discard(_: Any) -> torch.Tensor:
 class BudgetPlanner:
     """Measures the first step, then sets every candidate's checkpoint and offload switches.
 
-    Example:
-        >>> planner = BudgetPlanner(blocks, budget_bytes=40 * 2**30, may_offload=True)
-        >>> # step 1 runs every block checkpointed; from step 2, planner.plan holds the choice
+    Example::
+
+        planner = BudgetPlanner(blocks, budget_bytes=40 * 2**30, may_offload=True)
+        # step 1 runs every block checkpointed; from step 2, planner.plan holds the choice
     """
 
     def __init__(
@@ -409,7 +410,9 @@ def choose(plans: list[Plan], budget: int) -> tuple[Plan, bool]:
     the plan with the smallest estimate, and False.
 
     Example:
-        >>> choose(candidate_plans(costs, {2: 1000}, 1.0, 0.0, offload=False), 1150)[0].checkpointed
+        >>> costs = {"b.0": BlockCost(100, 10), "b.1": BlockCost(100, 10)}
+        >>> plans = candidate_plans(costs, {2: 1000}, 1.0, 0.0, offload=False)
+        >>> choose(plans, 1150)[0].checkpointed
         ('b.1',)
     """
     fitting = [p for p in plans if p.estimate_bytes <= budget]

@@ -74,7 +74,10 @@ def ops_all_policy_context() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint``: save matmul/attention outputs, recompute the rest.
 
     Example:
-        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_all_policy_context)
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> block, x = nn.Linear(8, 32), torch.randn(2, 8, requires_grad=True)
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_all_policy_context).shape
+        torch.Size([2, 32])
     """
     return create_selective_checkpoint_contexts(_keep_expensive_ops)
 
@@ -103,7 +106,10 @@ def ops_policy_context() -> tuple[Any, Any]:
     one matmul per block and frees about a third of what keeping every matmul output holds.
 
     Example:
-        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context)
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> block, x = nn.Linear(8, 32), torch.randn(2, 8, requires_grad=True)
+        >>> checkpoint(block, x, use_reentrant=False, context_fn=ops_policy_context).shape
+        torch.Size([2, 32])
     """
     return create_selective_checkpoint_contexts(_keep_all_but_widening_linears)
 
@@ -165,6 +171,8 @@ def wrap_blocks(
     they save to ``offloader``. A module prepared before keeps its forward (never nested).
 
     Example:
+        >>> dit = nn.Module()
+        >>> dit.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
         >>> wrap_blocks(dit, ["blocks.0", "blocks.1"], checkpointed=["blocks.1"]).keys()
         dict_keys(['blocks.0', 'blocks.1'])
     """
@@ -209,6 +217,8 @@ def checkpoint_modules(
     block saves go to host memory until the backward pass needs them.
 
     Example:
+        >>> dit = nn.Module()
+        >>> dit.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
         >>> checkpoint_modules(dit, ["blocks.1", "blocks.3"])
         ['blocks.1', 'blocks.3']
     """

@@ -18,8 +18,12 @@ The op is opaque to ``torch.compile`` (a custom op), so inductor keeps the chunk
 (:mod:`litegen.gelu_mlps`); ``apply_memory_optimizations`` calls it.
 
 Example:
-    >>> apply_chunked_mlp(wan, chunk_tokens=16384)
-    30
+    >>> from torch import nn
+    >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+    >>> apply_chunked_mlp(mlp, chunk_tokens=16384)
+    1
+    >>> mlp(torch.randn(2, 40000, 8)).shape  # 80,000 tokens, 16,384 at a time
+    torch.Size([2, 40000, 8])
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ def chunked_gelu_mlp(
 ) -> Tensor:
     """``gelu_tanh(x @ w1.T + b1) @ w2.T + b2`` for 2-D ``x``, ``chunk_tokens`` rows at a time.
 
-    Example:
-        >>> y = chunked_gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, 4096)
+    Example::
+
+        y = chunked_gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, 4096)
     """
     y = x.new_empty(x.shape[0], w2.shape[0])
     for rows in _chunks(x.shape[0], chunk_tokens):
@@ -137,8 +142,9 @@ def is_chunked(module: nn.Module) -> bool:
     """Whether :func:`apply_chunked_mlp` routed ``module``.
 
     Example:
-        >>> is_chunked(wan.blocks[0].ffn)
-        True
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU("tanh"), nn.Linear(32, 8))
+        >>> is_chunked(mlp), apply_chunked_mlp(mlp, 4), is_chunked(mlp)
+        (False, 1, True)
     """
     return routed_forward(module) is _chunked_forward
 

@@ -147,12 +147,12 @@ def _default_pinned_limit() -> int:
 class ActivationOffloader:
     """Moves what offloaded blocks save to host memory and back, overlapped with compute.
 
-    Example:
-        >>> offloader = ActivationOffloader()
-        >>> checkpoint_modules(dit, repeated_blocks(dit), offloader=offloader)
-        >>> dit(x, t).sum().backward()
-        >>> offloader.stats.tensors_offloaded
-        56
+    Example::
+
+        offloader = ActivationOffloader()
+        checkpoint_modules(dit, repeated_blocks(dit), offloader=offloader)
+        dit(x, t).sum().backward()
+        offloader.stats.tensors_offloaded
     """
 
     def __init__(

@@ -16,10 +16,9 @@ def peak_memory_since_last_call(device: torch.device | str) -> dict[str, float]:
 
     ``{}`` on a device without allocator statistics (cpu).
 
-    Example:
-        >>> peak_memory_since_last_call("cuda:0")
-        {'peak_allocated_gib': 40.2, 'peak_reserved_gib': 42.0, 'peak_allocated_pct': 28.7,
-         'peak_reserved_pct': 30.0}
+    Example::
+
+        peak_memory_since_last_call("cuda:0")
     """
     device = torch.device(device)
     if device.type != "cuda":

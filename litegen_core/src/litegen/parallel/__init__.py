@@ -5,11 +5,11 @@ A strategy is one module and one line in :data:`STRATEGIES`; the config's
 load (the config reads the names without torch), and a strategy's module loads only when a job
 uses it, so a DDP job never imports FSDP machinery.
 
-Example:
-    >>> from litegen.parallel import STRATEGIES, build_strategy
-    >>> strategy = build_strategy(plan, config.optimization)
-    >>> strategy.name
-    'ddp'
+Example::
+
+    from litegen.parallel import STRATEGIES, build_strategy
+    strategy = build_strategy(plan, config.optimization)
+    strategy.name
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def strategy_class(name: str) -> type[Strategy]:
 def build_strategy(plan: ParallelPlan, optimization: Any) -> Strategy:
     """Instantiate the strategy the plan names, for one ``optimization`` section.
 
-    Example:
-        >>> build_strategy(plan, config.optimization).name
-        'ddp'
+    Example::
+
+        build_strategy(plan, config.optimization).name
     """
     return strategy_class(plan.strategy)(plan, optimization)
 

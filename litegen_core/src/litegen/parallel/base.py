@@ -46,10 +46,11 @@ def broadcast_from_rank0(model: nn.Module) -> None:
 class Strategy:
     """How one trainable model and its optimizer are spread over the data-parallel ranks.
 
-    Example:
-        >>> strategy = build_strategy(plan, optimization_cfg)
-        >>> model = strategy.wrap_model(model)
-        >>> optimizer = strategy.wrap_optimizer(optimizer, model)
+    Example::
+
+        strategy = build_strategy(plan, optimization_cfg)
+        model = strategy.wrap_model(model)
+        optimizer = strategy.wrap_optimizer(optimizer, model)
     """
 
     # True when the EMA must be a copy of the model wrapped like it (see build_ema).

@@ -7,10 +7,11 @@ rank ``r`` owns the contiguous slice ``[r * n / dp, (r + 1) * n / dp)`` of every
 *partition* the optimizer steps. Collectives always run bucket by bucket in index order, so
 ranks issue them in the same order even when backward makes buckets ready in another order.
 
-Example:
-    >>> buckets = build_buckets([params], bucket_bytes=64 << 20, dp_size=2, dp_rank=0)
-    >>> grads = BucketedGradients(buckets, mode="reduce_scatter", overlap=True, release=True)
-    >>> loss.backward(); grads.finish()  # every bucket's ``shard.grad`` now holds its partition
+Example::
+
+    buckets = build_buckets([params], bucket_bytes=64 << 20, dp_size=2, dp_rank=0)
+    grads = BucketedGradients(buckets, mode="reduce_scatter", overlap=True, release=True)
+    loss.backward(); grads.finish()  # every bucket's ``shard.grad`` now holds its partition
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ def fsdp1_mixed_precision(cfg: Any) -> MixedPrecision | None:
     """``optimization.precision.fsdp2_mixed`` mapped onto FSDP1; None when nothing is asked.
 
     Example:
+        >>> from litegen.config.sections import FSDP2MixedConfig
         >>> fsdp1_mixed_precision(FSDP2MixedConfig(param_dtype="bf16")).param_dtype
         torch.bfloat16
     """
@@ -74,10 +75,10 @@ def _fsdp1_fix(path: str) -> str:
 class Fsdp1Strategy(Strategy):
     """``FullyShardedDataParallel`` with one unit per repeated block, ``use_orig_params=True``.
 
-    Example:
-        >>> model = Fsdp1Strategy(plan, config.optimization).wrap_model(model)
-        >>> type(model).__name__
-        'FullyShardedDataParallel'
+    Example::
+
+        model = Fsdp1Strategy(plan, config.optimization).wrap_model(model)
+        type(model).__name__
     """
 
     # Parameters are views into flat shards, so the EMA is an FP32 copy wrapped the same way.

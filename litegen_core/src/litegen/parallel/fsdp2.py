@@ -59,10 +59,10 @@ def rebind_optimizer(
     The groups (their order, membership and hyperparameters) and the optimizer object are
     kept, so an LR scheduler built on the optimizer before ``prepare`` keeps working.
 
-    Example:
-        >>> fqn_of = {id(p): n for n, p in model.named_parameters()}  # before wrapping
-        >>> rebind_optimizer(optimizer, sharded_model, fqn_of) is optimizer
-        True
+    Example::
+
+        fqn_of = {id(p): n for n, p in model.named_parameters()}  # before wrapping
+        rebind_optimizer(optimizer, sharded_model, fqn_of) is optimizer
     """
     if optimizer.state:
         raise ValueError(
@@ -89,9 +89,10 @@ def rebind_optimizer(
 class Fsdp2Strategy(Strategy):
     """``fully_shard`` on each planned unit, then on the root, over a 1-D data-parallel mesh.
 
-    Example:
-        >>> strategy = Fsdp2Strategy(plan, config.optimization)
-        >>> model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
+    Example::
+
+        strategy = Fsdp2Strategy(plan, config.optimization)
+        model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
     """
 
     # The master step handles DTensor shards through to_local() (see litegen.optim).
@@ -211,9 +212,9 @@ def _wrap_paths_fix(units: list[str]) -> Callable[[str], str]:
 class HsdpStrategy(Fsdp2Strategy):
     """FSDP2 on a ``(replicate=nnodes, shard=local_world_size)`` mesh.
 
-    Example:
-        >>> HsdpStrategy(plan, config.optimization).mesh().mesh_dim_names
-        ('replicate', 'shard')
+    Example::
+
+        HsdpStrategy(plan, config.optimization).mesh().mesh_dim_names
     """
 
     def mesh(self) -> DeviceMesh:

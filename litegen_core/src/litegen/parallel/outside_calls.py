@@ -206,9 +206,9 @@ def called_from_outside(
     finds nothing new. Modules under ``excluded`` (replicated, frozen) and modules without
     parameters are never a problem and never returned.
 
-    Example:
-        >>> called_from_outside(dit, ["transformer_blocks.0", "transformer_blocks.1"])
-        ['transformer_blocks.0.norm1.emb']
+    Example::
+
+        called_from_outside(dit, ["transformer_blocks.0", "transformer_blocks.1"])
     """
     modules = dict(model.named_modules())
     path_of = {id(module): path for path, module in modules.items()}
@@ -249,8 +249,9 @@ def guard_outside_calls(
     unit with no frame of that unit around it, and if it finds one raises a ValueError naming
     it (the outermost such call) and ``fix(path)``, chained to torch's error.
 
-    Example:
-        >>> guard_outside_calls(model, {"blocks.0": model.blocks[0]}, "fsdp2", lambda p: "...")
+    Example::
+
+        guard_outside_calls(model, {"blocks.0": model.blocks[0]}, "fsdp2", lambda p: "...")
     """
     unit_paths = set(units)
     unit_ids = {id(module): path for path, module in units.items()}

@@ -24,10 +24,10 @@ from litegen.runtime.distributed import DistEnv
 class ParallelPlan:
     """The shape of the job as the strategies see it.
 
-    Example:
-        >>> plan = ParallelPlan.build("ddp", parallel_cfg, DistEnv(), torch.device("cpu"))
-        >>> plan.dp_size, plan.sp_size
-        (1, 1)
+    Example::
+
+        plan = ParallelPlan.build("ddp", parallel_cfg, DistEnv(), torch.device("cpu"))
+        plan.dp_size, plan.sp_size
     """
 
     strategy: str

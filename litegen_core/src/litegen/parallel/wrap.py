@@ -45,6 +45,10 @@ def plan_manual(model: nn.Module, cfg: Any) -> list[str]:
     """The paths in ``wrap_paths``, checked against the model.
 
     Example:
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
         >>> plan_manual(dit, FSDP2Config(wrap_strategy="manual", wrap_paths=["blocks.0"]))
         ['blocks.0']
     """
@@ -68,6 +72,10 @@ def plan_repeated(model: nn.Module, cfg: Any) -> list[str]:
     """The model's repeated blocks (``get_fsdp_wrap_module_list()`` or detected ones).
 
     Example:
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
         >>> plan_repeated(dit, FSDP2Config())
         ['blocks.0', 'blocks.1', 'blocks.2']
     """
@@ -90,8 +98,12 @@ def plan_size_based(model: nn.Module, cfg: Any) -> list[str]:
     Parameters under ``exclude_paths`` never count.
 
     Example:
-        >>> plan_size_based(dit, FSDP2Config(wrap_strategy="size_based", min_num_params=10_000))
-        ['blocks.0', 'blocks.1', 'blocks.2']
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
+        >>> plan_size_based(dit, FSDP2Config(wrap_strategy="size_based", min_num_params=50))
+        ['blocks.0.attn', 'blocks.1.attn', 'blocks.2.attn']
     """
     excluded = list(cfg.exclude_paths)
     claimed: set[int] = set()
@@ -121,8 +133,13 @@ def plan_class_based(model: nn.Module, cfg: Any) -> list[str]:
     """Every submodule whose class name (``Block`` or ``my_pkg.models.Block``) is listed.
 
     Example:
-        >>> plan_class_based(dit, FSDP2Config(wrap_strategy="class_based", wrap_class_names=["Block"]))
-        ['blocks.0', 'blocks.1', 'blocks.2']
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
+        >>> cfg = FSDP2Config(wrap_strategy="class_based", wrap_class_names=["Linear"])
+        >>> plan_class_based(dit, cfg)
+        ['time', 'blocks.0.attn', 'blocks.1.attn', 'blocks.2.attn']
     """
     wanted = set(cfg.wrap_class_names)
     if not wanted:
@@ -159,6 +176,10 @@ def excluded_modules(model: nn.Module, cfg: Any) -> list[str]:
     """Check ``exclude_paths``: they must exist and be frozen (their grads are never synced).
 
     Example:
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
         >>> excluded_modules(dit, FSDP2Config(exclude_paths=["time"]))
         ['time']
     """
@@ -184,6 +205,10 @@ def plan_units(model: nn.Module, cfg: Any) -> list[str]:
     children before the units around them, otherwise registration order.
 
     Example:
+        >>> from litegen.config.sections import FSDP2Config
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
         >>> plan_units(dit, FSDP2Config(wrap_strategy="repeated"))
         ['blocks.0', 'blocks.1', 'blocks.2']
     """
@@ -220,6 +245,9 @@ def in_post_order(model: nn.Module, paths: Iterable[str]) -> list[str]:
     """``paths`` in the order ``fully_shard`` needs: children before the units around them.
 
     Example:
+        >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
+        ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
+        ...                                              for _ in range(3))})
         >>> in_post_order(dit, ["blocks.0", "blocks.0.attn", "blocks.1"])
         ['blocks.0.attn', 'blocks.0', 'blocks.1']
     """

@@ -22,10 +22,11 @@ gradient buffers after each step instead of keeping them for the next one;
 ``normalize_parameter_layout`` moves each bucket's parameters into one contiguous buffer so the
 partition is a view of the parameters and the gather writes into them without a copy.
 
-Example:
-    >>> strategy = Zero1Strategy(plan, config.optimization)
-    >>> model = strategy.wrap_model(model)
-    >>> optimizer = strategy.wrap_optimizer(optimizer, model, fqns_of(model))
+Example::
+
+    strategy = Zero1Strategy(plan, config.optimization)
+    model = strategy.wrap_model(model)
+    optimizer = strategy.wrap_optimizer(optimizer, model, fqns_of(model))
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ is dropped as soon as it has been copied into its bucket. The step then updates 
 and all-gathers the parameters, as ZeRO-1's ``bucketed`` sync does. It reads its options from
 ``optimization.parallel.zero1`` and needs ``parameter_sync: bucketed``.
 
-Example:
-    >>> strategy = Zero2Strategy(plan, config.optimization)
+Example::
+
+    strategy = Zero2Strategy(plan, config.optimization)
 """
 
 from __future__ import annotations

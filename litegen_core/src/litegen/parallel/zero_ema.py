@@ -20,10 +20,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class BucketEMA:
     """FP32 EMA of the bucket partitions a ZeRO optimizer steps (the ``litegen.ema.EMA`` API).
 
-    Example:
-        >>> ema = BucketEMA(model, buckets, optimizer)
-        >>> ema.update(0.999)
-        >>> full = ema.state_dict()  # collective
+    Example::
+
+        ema = BucketEMA(model, buckets, optimizer)
+        ema.update(0.999)
+        full = ema.state_dict()  # collective
     """
 
     def __init__(self, model: nn.Module, buckets: list[Bucket], optimizer) -> None:

@@ -42,9 +42,10 @@ log = logging.getLogger("litegen")
 class LiteGen(CheckpointAPI):
     """One training job's runtime: device, process group, prepared objects, checkpoints.
 
-    Example:
-        >>> gen = litegen.initialize(config)
-        >>> model, optimizer, loader = gen.prepare(model, optimizer, dataset)
+    Example::
+
+        gen = litegen.initialize(config)
+        model, optimizer, loader = gen.prepare(model, optimizer, dataset)
     """
 
     def __init__(self, config: MainConfig) -> None:
@@ -103,8 +104,9 @@ class LiteGen(CheckpointAPI):
         one object. Models that no optimizer of the call steps (a VAE, a text encoder) come
         back frozen and unwrapped; :func:`litegen.runtime.prepare.trained_models` has the rule.
 
-        Example:
-            >>> model, optimizer, vae, loader = gen.prepare(model, optimizer, vae, dataset)
+        Example::
+
+            model, optimizer, vae, loader = gen.prepare(model, optimizer, vae, dataset)
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
@@ -340,8 +342,9 @@ class LiteGen(CheckpointAPI):
 
         An already unwrapped model comes back as it is, so hooks may unwrap what they receive.
 
-        Example:
-            >>> images = gen.unwrap(model).generate(labels)
+        Example::
+
+            images = gen.unwrap(model).generate(labels)
         """
         for entry in self.models:
             inner = entry.strategy.unwrap(entry.module)
@@ -368,10 +371,11 @@ class LiteGen(CheckpointAPI):
 
         Custom loops enter it around forward *and* backward (checkpointing recomputes there).
 
-        Example:
-            >>> with gen.attention_context():
-            ...     loss = model(x).mean()
-            ...     loss.backward()
+        Example::
+
+            with gen.attention_context():
+                loss = model(x).mean()
+                loss.backward()
         """
         from litegen.kernels.attention import attention_context
 
@@ -386,9 +390,10 @@ class LiteGen(CheckpointAPI):
         The groups' communication threads must be gone before the interpreter exits, or a
         rank can abort at shutdown. Call it once, after the last collective.
 
-        Example:
-            >>> gen.save_model()
-            >>> gen.close()
+        Example::
+
+            gen.save_model()
+            gen.close()
         """
         if dist.is_initialized():
             dist.barrier()
@@ -412,7 +417,8 @@ def _open_lab(optimization: Any) -> Any:
 def initialize(config: MainConfig) -> LiteGen:
     """Set up the process group, device and seeds for ``config``; returns the LiteGen object.
 
-    Example:
-        >>> gen = litegen.initialize(MainConfig.load_yaml("recipe.yaml"))
+    Example::
+
+        gen = litegen.initialize(MainConfig.load_yaml("recipe.yaml"))
     """
     return LiteGen(config)

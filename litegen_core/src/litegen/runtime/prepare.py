@@ -78,6 +78,7 @@ def trained_models(models: list[nn.Module], optimizer_owners: Iterable[int]) -> 
     in eval mode, with ``requires_grad`` off (``Strategy.wrap_frozen_model``).
 
     Example:
+        >>> model, vae = nn.Linear(4, 4), nn.Linear(4, 4)
         >>> trained_models([model, vae], optimizer_owners=[0])
         [True, False]
     """

@@ -3,8 +3,9 @@
 :class:`~litegen.trainer.loop.Trainer` inherits these methods; they use its ``gen``, ``config``,
 ``loader``, ``schedulers``, ``step`` and ``checkpointer`` (litegen/checkpoint/run_state.py).
 
-Example:
-    >>> trainer.resume("results/dit/step_1000"); trainer.fit()
+Example::
+
+    trainer.resume("results/dit/step_1000"); trainer.fit()
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class RunCheckpoints:
     def resume(self, path: str | Path) -> None:
         """Continue from a run checkpoint: weights, optimizer, EMA, step, data position, RNG.
 
-        Example:
-            >>> trainer.resume("results/dit/step_1000"); trainer.fit()
+        Example::
+
+            trainer.resume("results/dit/step_1000"); trainer.fit()
         """
         self._resume_checked = True
         path = resolve_checkpoint(path)

@@ -1,7 +1,8 @@
 """What ``litegen launch`` runs inside each worker: the entry module, built, prepared, trained.
 
-Example:
-    >>> run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
+Example::
+
+    run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def run_entry(config: MainConfig, entry: str, base_dir: str | Path | None = None
     ``validate(**parts)`` during training (``trainer.sample_every``, ``trainer.validate_every``;
     :mod:`litegen.trainer.hooks`), ``finish(**parts)`` once at the end.
 
-    Example:
-        >>> run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
+    Example::
+
+        run_entry(MainConfig.load_yaml("recipes/digits_dit.yaml"), "digits_dit.py", "recipes")
     """
     module = load_entry(entry, base_dir)
     hooks = {"sample_fn": _hook(module, "sample"), "validate_fn": _hook(module, "validate")}

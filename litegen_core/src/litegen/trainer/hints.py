@@ -1,8 +1,9 @@
 """Fixes added to errors a training step raises, when a setting may be their cause.
 
 Example:
+    >>> config = MainConfig(optimization={"precision": {"cast_model": "bf16"}})
     >>> cast_model_hint(config, RuntimeError("expected BFloat16 but found Float"))
-    'optimization.precision.cast_model is bf16: ...'
+    "optimization.precision.cast_model is bf16: it casts the model's parameters, not the batch. ..."
 """
 
 from __future__ import annotations

@@ -80,9 +80,10 @@ class TrainingHooks:
     """Calls ``sample_fn`` and ``validate_fn`` at their steps (``trainer.sample_every``,
     ``trainer.validate_every``); see the module docstring for what they receive.
 
-    Example:
-        >>> hooks = TrainingHooks(gen, parts, sample_fn=sample)
-        >>> hooks.run(step=100)  # {'val_loss': ..., 'media': [...]} as far as due
+    Example::
+
+        hooks = TrainingHooks(gen, parts, sample_fn=sample)
+        hooks.run(step=100)  # {'val_loss': ..., 'media': [...]} as far as due
     """
 
     def __init__(
@@ -192,9 +193,10 @@ def ema_weights(gen: LiteGen) -> Iterator[None]:
     The EMA is gathered like ``save_ema`` gathers it and loaded through the strategy, so every
     rank takes part, whatever the EMA's layout.
 
-    Example:
-        >>> with ema_weights(gen):
-        ...     images = gen.unwrap(model).generate(labels)
+    Example::
+
+        with ema_weights(gen):
+            images = gen.unwrap(model).generate(labels)
     """
     if gen.ema is None:
         yield

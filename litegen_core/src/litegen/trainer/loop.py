@@ -1,7 +1,8 @@
 """The training loop: steps, accumulation, clipping, EMA, logged records, run checkpoints.
 
-Example:
-    >>> Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
+Example::
+
+    Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class Trainer(RunCheckpoints):
     ``sample_fn`` and ``validate_fn`` are the optional hooks of :mod:`litegen.trainer.hooks`,
     called every ``trainer.sample_every`` and ``trainer.validate_every`` steps.
 
-    Example:
-        >>> Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
+    Example::
+
+        Trainer(gen, train_step, {"model": model, "optimizer": opt, "loader": loader}).fit()
     """
 
     def __init__(

@@ -85,9 +85,9 @@ def gif_bytes(path: Path) -> bytes:
     """An MP4 sample re-encoded as an animated GIF in memory, for TensorBoard's image tab (which
     plays GIFs, not MP4s).
 
-    Example:
-        >>> gif_bytes(Path("results/wan/samples/step_100/samples.mp4"))[:6]
-        b'GIF89a'
+    Example::
+
+        gif_bytes(Path("results/wan/samples/step_100/samples.mp4"))[:6]
     """
     import io
 

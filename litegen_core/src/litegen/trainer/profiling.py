@@ -6,9 +6,10 @@ https://pytorch.org/memory_viz). Rank 0 logs where the time went: by kernel cate
 communication not hidden behind compute on the device. Each profiled step is a ``step <N>``
 range in the trace. When ``trainer.profile`` is unset, nothing here is created.
 
-Example:
-    >>> profiler = StepProfiler(config.trainer.profile, Path("results/dit"), device, rank=0)
-    >>> profiler.before_step(5); run_step(); profiler.after_step(5)
+Example::
+
+    profiler = StepProfiler(config.trainer.profile, Path("results/dit"), device, rank=0)
+    profiler.before_step(5); run_step(); profiler.after_step(5)
 """
 
 from __future__ import annotations

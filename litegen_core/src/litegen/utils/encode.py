@@ -64,9 +64,11 @@ def vae_encode(
 
     Example:
         >>> from diffusers import AutoencoderKL
-        >>> vae = AutoencoderKL.from_pretrained("stabilityai/sd-vae-ft-mse")  # doctest: +SKIP
-        >>> gens = [torch.Generator().manual_seed(i) for i in range(64)]
-        >>> z = vae_encode(vae, pixels, micro_batch_size=8, generator=gens)  # doctest: +SKIP
+        >>> vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4)
+        >>> pixels = torch.randn(4, 3, 16, 16)
+        >>> gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        >>> vae_encode(vae, pixels, micro_batch_size=2, generator=gens).shape
+        torch.Size([4, 4, 16, 16])
     """
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")

@@ -5,12 +5,15 @@ split over the ranks of a sequence-parallel group, between the blocks of the mod
 declared by the model) when ``sp_size > 1``; see ``docs/sequence_parallel.md``.
 
 Example:
+    >>> from torch import nn
     >>> class MyDiT(nn.Module):
     ...     litegen_sp_plan = SequencePlan(
     ...         split_inputs={"blocks.0": {"x": 1}},
     ...         gather_outputs={"head": 1},
     ...         attention={"blocks.*.attn": "self"},
     ...     )
+    >>> MyDiT.litegen_sp_plan.gather_outputs
+    {'head': 1}
 """
 
 from litegen.parallel.sequence.apply import (

@@ -11,9 +11,10 @@ attention calls read it (:class:`SequenceLayout`). Checkpointed blocks run their
 again during backward, possibly after a later forward of the model with another length; the
 gather's backward, which runs before any of the blocks', puts back the layout of its forward.
 
-Example:
-    >>> sp = apply_sequence_parallel(model, plan_for(model), group)
-    >>> out = model(x)  # every rank of the group passes the same x and gets the whole output
+Example::
+
+    sp = apply_sequence_parallel(model, plan_for(model), group)
+    out = model(x)  # every rank of the group passes the same x and gets the whole output
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def apply_sequence_parallel(
 
     Every rank of ``group`` must call the model with the same inputs; each gets the whole output.
 
-    Example:
-        >>> sp = apply_sequence_parallel(wan, plan_for(wan), mesh.get_group("sp"))
+    Example::
+
+        sp = apply_sequence_parallel(wan, plan_for(wan), mesh.get_group("sp"))
     """
     plan.check(model)
     sp = SequenceParallel(model, group)
@@ -232,10 +234,11 @@ class _SplitOutputs:
 def sequence_parallel_off(model: nn.Module) -> Iterator[None]:
     """Run a sequence-parallel model on whole sequences, on one rank alone (e.g. sampling).
 
-    Example:
-        >>> if gen.is_main_process:
-        ...     with sequence_parallel_off(gen.unwrap(model)):
-        ...         video = sample(model, prompt)
+    Example::
+
+        if gen.is_main_process:
+            with sequence_parallel_off(gen.unwrap(model)):
+                video = sample(model, prompt)
     """
     # The state sits on the attention modules' classes, so wrappers and copies find it too.
     states = {id(s): s for m in model.modules() if (s := getattr(type(m), STATE, None))}
@@ -261,8 +264,9 @@ def compile_context() -> AbstractContextManager:
     backward recomputes, so Dynamo is told not to replay it (torch releases without the switch
     keep the graph break).
 
-    Example:
-        >>> compile_blocks(model, compile_cfg, block_contexts=[compile_context])
+    Example::
+
+        compile_blocks(model, compile_cfg, block_contexts=[compile_context])
     """
     if not hasattr(torch._dynamo.config, _SKIP_REPLAY):
         return nullcontext()

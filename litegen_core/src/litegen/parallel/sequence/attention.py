@@ -16,8 +16,9 @@ Padding: a sequence that does not divide by ``N`` is padded at its end (``comm.s
 padding is cut off after the all-to-all, so attention never sees it, and put back (as zeros)
 before the reverse all-to-all.
 
-Example:
-    >>> attn.__class__ = sharded_attention_class(type(attn), sp, "self")
+Example::
+
+    attn.__class__ = sharded_attention_class(type(attn), sp, "self")
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def sharded_attention_class(cls: type[nn.Module], sp: SequenceParallel, layout: 
     ``forward``: ``torch.compile`` compiles the blocks once, where a per-module patched
     ``forward`` would be a guard that recompiles each block.
 
-    Example:
-        >>> attn.__class__ = sharded_attention_class(type(attn), sp, "self")
+    Example::
+
+        attn.__class__ = sharded_attention_class(type(attn), sp, "self")
     """
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -11,9 +11,10 @@ sum over the group into the single-process gradient (see ``docs/sequence_paralle
 The collectives are ``torch.distributed._functional_collectives`` ops, which ``torch.compile``
 traces into the graph of a compiled block.
 
-Example:
-    >>> heads = seq_to_heads(q, group)  # (B, H, S/N, D) -> (B, H/N, S, D)
-    >>> out = heads_to_seq(attention(heads, ...), group)  # and back
+Example::
+
+    heads = seq_to_heads(q, group)  # (B, H, S/N, D) -> (B, H/N, S, D)
+    out = heads_to_seq(attention(heads, ...), group)  # and back
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Rank ``r`` receives head group ``r`` (heads ``[r H/N, (r + 1) H/N)``); the sequence is the
     shards in rank order. Backward is :func:`heads_to_seq`.
 
-    Example:
-        >>> seq_to_heads(torch.zeros(1, 8, 5, 64), group).shape  # 2 ranks
-        torch.Size([1, 4, 10, 64])
+    Example::
+
+        seq_to_heads(torch.zeros(1, 8, 5, 64), group).shape  # 2 ranks
     """
     return _SeqToHeads.apply(x, group)
 
@@ -92,9 +93,9 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``(B, H/N, S, D)`` -> ``(B, H, S/N, D)``, the inverse of :func:`seq_to_heads`.
 
-    Example:
-        >>> heads_to_seq(torch.zeros(1, 4, 10, 64), group).shape  # 2 ranks
-        torch.Size([1, 8, 5, 64])
+    Example::
+
+        heads_to_seq(torch.zeros(1, 4, 10, 64), group).shape  # 2 ranks
     """
     return _HeadsToSeq.apply(x, group)
 
@@ -114,9 +115,9 @@ class _Gather(torch.autograd.Function):
 def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather ``x`` along ``dim`` over ``group`` (rank order); backward: reduce-scatter sum.
 
-    Example:
-        >>> gather(torch.zeros(1, 5, 16), 1, group).shape  # 2 ranks
-        torch.Size([1, 10, 16])
+    Example::
+
+        gather(torch.zeros(1, 5, 16), 1, group).shape  # 2 ranks
     """
     return _Gather.apply(x, dim, group)
 

@@ -70,6 +70,8 @@ class SequencePlan:
     Example:
         >>> SequencePlan(split_inputs={"blocks.0": {"hidden_states": 1}},
         ...              gather_outputs={"proj_out": 1}, attention={"blocks.*.attn1": "self"})
+        SequencePlan(split_inputs={'blocks.0': {'hidden_states': 1}}, split_outputs={},
+                     gather_outputs={'proj_out': 1}, attention={'blocks.*.attn1': 'self'})
     """
 
     split_inputs: Mapping[str, Mapping[str | int, int | Split]] = field(default_factory=dict)
@@ -115,6 +117,10 @@ def matching(model: nn.Module, pattern: str) -> dict[str, nn.Module]:
     """The submodules whose path matches ``pattern`` (``*`` stands for one path component).
 
     Example:
+        >>> wan = nn.Module()
+        >>> wan.blocks = nn.ModuleList(
+        ...     nn.ModuleDict({"attn1": nn.Linear(4, 4), "attn2": nn.Linear(4, 4)}) for _ in range(2)
+        ... )
         >>> list(matching(wan, "blocks.*.attn1"))
         ['blocks.0.attn1', 'blocks.1.attn1']
     """
@@ -132,10 +138,11 @@ _REGISTERED: dict[type, PlanSource] = {}
 def register_sequence_plan(cls: type, plan: PlanSource) -> None:
     """Use ``plan`` (or ``plan(model)``) for every model of class ``cls`` (not subclasses).
 
-    Example:
-        >>> register_sequence_plan(MyDiT, SequencePlan(
-        ...     split_inputs={"blocks.0": {"x": 1}}, gather_outputs={"head": 1},
-        ...     attention={"blocks.*.attn": "self"}))
+    Example::
+
+        register_sequence_plan(MyDiT, SequencePlan(
+            split_inputs={"blocks.0": {"x": 1}}, gather_outputs={"head": 1},
+            attention={"blocks.*.attn": "self"}))
     """
     _REGISTERED[cls] = plan
 
@@ -143,9 +150,9 @@ def register_sequence_plan(cls: type, plan: PlanSource) -> None:
 def plan_for(model: nn.Module) -> SequencePlan:
     """The plan of ``model`` (module docstring), checked against it; ValueError if none.
 
-    Example:
-        >>> plan_for(wan).gather_outputs
-        {'proj_out': 1}
+    Example::
+
+        plan_for(wan).gather_outputs
     """
     from litegen.parallel.sequence.plans import BUILTIN, builtin_plan
 
