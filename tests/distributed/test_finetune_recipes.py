@@ -226,6 +226,22 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     assert "holds no images" in cache_build(wan, empty)
 
 
+def test_launch_and_inspect_config_refuse_bad_folders_before_the_ranks_start(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    results = tmp_path / "results"
+    for command in ("inspect-config", "launch"):
+        args = [command, str(RECIPES / "finetune_video.yaml"), "launch.nproc_per_node=1",
+                f"model.pretrained={tiny_pipeline_folder('wan')}", f"data.folder={empty}",
+                f"results_dir={results}"]  # fmt: skip
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        assert f"media folder {empty} holds no images" in result.output.replace("\n", "")
+    assert not results.exists()  # no run folder claimed: no rank started
+
+
 def test_the_entry_check_refuses_bad_folders_before_anything_is_built(
     tmp_path: Path, media: Path
 ) -> None:
