@@ -146,7 +146,7 @@ class ZeroShards(StateFormat):
         """Every rank reads the shards and assembles the whole state on the CPU, then keeps
         what its own layout needs; this is what makes a 4-rank save load into 2 ranks."""
         try:
-            manifest = read_manifest(path, {"format": MANIFEST_FORMAT})
+            manifest = read_manifest(path, {"format": self.manifest_tag})
         except ValueError:
             raise ValueError(
                 f"{path} is JSON but not a LiteGen sharded optimizer manifest."
