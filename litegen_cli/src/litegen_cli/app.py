@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from litegen.checkpoint.layout import STEP_DIR_GLOB
 from litegen_cli import render
 from litegen_cli.entry_check import input_problems
 from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed, RankFailure
@@ -150,7 +151,7 @@ def run_launch(
 def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
     """One line for a signal, else one panel: the root failure, the others, where the logs are."""
     resume = ""
-    if any(Path(checkpoint_dir).glob("step_*")):
+    if any(Path(checkpoint_dir).glob(STEP_DIR_GLOB)):
         resume = f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
     if err.signal is not None:
         line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
