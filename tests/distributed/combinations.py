@@ -11,7 +11,6 @@ checkpoint and resumed, and an exported model or adapter reloaded in plain diffu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,7 @@ import torch
 from torch import nn
 
 from litegen.config.strategies import names_where
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
-
+from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.pairwise import Case, all_pairs
 from tests.distributed.runs import full_weights
 

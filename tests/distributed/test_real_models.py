@@ -1,6 +1,6 @@
 """Real diffusers transformers under every strategy (gloo, CPU ranks): they train as DDP does.
 
-The eight architectures of ``scripts/real_models.py`` at their tiny sizes train a few steps under
+The eight architectures of ``litegen_zoo/real_models.py`` at their tiny sizes train a few steps under
 ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2 simulated
 nodes; a covering set of runs adds activation checkpointing, CPU offload, chunked MLPs and regional
 compile. Starting ranks costs seconds, so one group of processes runs every 2-rank case of every
@@ -17,20 +17,15 @@ labels at random per rank, so its batches depend on the number of ranks.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from litegen.blocks import repeated_blocks
 from litegen.config.strategies import names_where
+from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import TinyDiT
 from tests.distributed.runs import full_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
 
 pytestmark = pytest.mark.slow
 
