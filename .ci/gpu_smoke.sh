@@ -108,8 +108,8 @@ done
 # 3. Speed on a real model: launch against the hand-written loop, compiled, one round each.
 if wanted 3; then
     started=$SECONDS
-    if "${PY[@]}" -m scripts.bench.bench_launch --models dit --variants compiled --first 5 --last 15 \
-        --out "$OUT/real_model_speed.json" >"$OUT/real_model_speed.log" 2>&1; then
+    if "${PY[@]}" -m scripts.bench.bench_launch --models dit --variants compiled \
+        --first 5 --last 15 --out "$OUT/real_model_speed.json" >"$OUT/real_model_speed.log" 2>&1; then
         read -r verdict note < <("${PY[@]}" - "$OUT/real_model_speed.json" "$MIN_RATIO" <<'EOF'
 import json, sys
 row = json.load(open(sys.argv[1]))["rows"][0]

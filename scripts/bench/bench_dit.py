@@ -1,9 +1,9 @@
 """The same DiT trained through LiteGen and through hand-written PyTorch, in one process group.
 
 The microbenchmark of workloads A, B and C (benchmarks/README.md). Both sides use the same model
-(``litegen_zoo/dit_model.py``), precision, fused AdamW, compile setting and attention backend; LiteGen's side
-runs the trainer's own step (micro-step, finite check, optimizer step, EMA when on), the
-hand-written side the plain loop a user would write. Each side: ``--warmup`` steps, then ``--steps``
+(``litegen_zoo.dit_model``), precision, fused AdamW, compile setting and attention backend;
+LiteGen's side runs the trainer's own step (micro-step, finite check, optimizer step, EMA when
+on), the hand-written side the plain loop a user would write. Each side: ``--warmup`` steps, then ``--steps``
 steps timed one by one between ``torch.cuda.synchronize()`` calls; the table shows the median.
 
     torchrun --nproc_per_node=2 -m scripts.bench.bench_dit --workload A --strategy fsdp2 --compile

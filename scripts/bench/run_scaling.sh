@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The weak-scaling run on one 4- or 8-GPU node: scripts/bench/bench_scaling.py (ddp, zero1,
-# fsdp2) at 1, 2, 4, 8 GPUs (up to the visible count), then HSDP against fsdp2 as two simulated nodes of
-# N/2 GPUs (two torchrun launchers on localhost), then one summary table: tokens/s per GPU,
+# fsdp2) at 1, 2, 4, 8 GPUs (up to the visible count), then HSDP against fsdp2 as two simulated
+# nodes of N/2 GPUs (two torchrun launchers on localhost), then one summary table: tokens/s per GPU,
 # weak-scaling efficiency against 1 GPU, HSDP / fsdp2, loss agreement with ddp over 20 steps.
 #
 #   scripts/bench/run_scaling.sh                         # GPU node, workload A; uses uv run

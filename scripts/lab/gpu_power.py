@@ -4,8 +4,8 @@ An H200 running a DiT step at full speed draws its 700 W power limit: the driver
 SM clock until the draw fits, and a step takes as long as its energy takes at 700 W. So two
 machine starts can differ by several percent at the same code, with the GPU that draws more per
 clock (silicon, temperature) running slower, and a kernel that is faster but spends the same
-energy gains nothing there. ``scripts/bench/bench_dit.py`` prints what this meter reads for each side's timed
-steps: joules per step, mean watts, mean SM clock and how often the power cap held the clock
+energy gains nothing there. ``scripts/bench/bench_dit.py`` prints what this meter reads for
+each side's timed steps: joules per step, mean watts, mean SM clock and how often the power cap held the clock
 down. NVML is the driver's ``libnvidia-ml``, reached through ctypes (no Python package needed).
 
     python3 -m scripts.lab.gpu_power     # two seconds of a bf16 GEMM loop on GPU 0, metered

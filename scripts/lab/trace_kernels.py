@@ -1,9 +1,10 @@
 """Kernel by kernel: what a kept profiler trace spent its time on.
 
-Traces come from ``scripts/bench/bench_dit.py --profile --trace DIR`` and from ``scripts/bench/bench_launch.py --profile
---work DIR`` (``DIR/<model>_<variant>/<side>_<round>/profile_trace.json.gz``).
+Traces come from ``scripts/bench/bench_dit.py --profile --trace DIR`` and from
+``scripts/bench/bench_launch.py --profile --work DIR``
+(``DIR/<model>_<variant>/<side>_<round>/profile_trace.json.gz``).
 
-``scripts/bench/bench_dit.py --profile`` sums kernel time by category; this reads one kept trace and names the
+``bench_dit.py --profile`` sums kernel time by category; this reads one kept trace and names the
 kernels behind the sums (the heaviest, in ms per step and calls per step) and the gaps between
 them (time with no compute kernel running, by length, and the longest with their neighbours and
 the host calls that overlap them):

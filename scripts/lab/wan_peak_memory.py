@@ -1,8 +1,8 @@
 """What is alive at a training step's memory peak: Wan 2.1 1.3B's widths, a few blocks, CUDA.
 
 Builds diffusers' Wan transformer at its published widths with ``--layers`` blocks, prepares it
-as ``scripts/bench/bench_memory_real.py`` does (every block checkpointed, optionally offloaded, MLPs optionally
-in chunks), trains one warm-up step, then records the allocator's history over one more step and
+as ``scripts/bench/bench_memory_real.py`` does (every block checkpointed, optionally offloaded,
+MLPs optionally in chunks), trains one warm-up step, then records the allocator's history over one more step and
 prints the peak above the resident state and the allocations alive at that peak, grouped by the
 line that made them (the inductor kernel call and the model's source line). Sizes are in rows:
 one bf16 vector of the model width per token.

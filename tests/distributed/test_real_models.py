@@ -1,6 +1,6 @@
 """Real diffusers transformers under every strategy (gloo, CPU ranks): they train as DDP does.
 
-The eight architectures of ``litegen_zoo/real_models.py`` at their tiny sizes train a few steps under
+The eight architectures of ``litegen_zoo.real_models`` at their tiny sizes train a few steps under
 ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2 simulated
 nodes; a covering set of runs adds activation checkpointing, CPU offload, chunked MLPs and regional
 compile. Starting ranks costs seconds, so one group of processes runs every 2-rank case of every

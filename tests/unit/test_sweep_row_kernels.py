@@ -1,4 +1,4 @@
-"""scripts/lab/sweep_row_kernels.py: which files of an inductor cache it sweeps (timing needs a GPU).
+"""scripts/lab/sweep_row_kernels.py: which files of an inductor cache it sweeps (timing: a GPU).
 
 uv run pytest tests/unit/test_sweep_row_kernels.py
 """
