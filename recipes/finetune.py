@@ -63,7 +63,7 @@ def pipeline_folder(config) -> Path:
     if not folder:
         raise ValueError(
             "model.pretrained is not set: give the diffusers pipeline folder to fine-tune "
-            "(scripts/make_tiny_pipeline.py writes a tiny one)."
+            "(python -m litegen_zoo.make_tiny_pipeline writes a tiny one)."
         )
     check_pipeline_folder(folder)
     return Path(folder)

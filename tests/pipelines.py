@@ -1,16 +1,15 @@
 """Tiny diffusers pipeline folders for tests, written once per test process by
-scripts/make_tiny_pipeline.py. Treat them as read-only: copy one before changing it."""
+litegen_zoo/make_tiny_pipeline.py. Treat them as read-only: copy one before changing it."""
 
 from __future__ import annotations
 
 import atexit
 import functools
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from litegen_zoo.make_tiny_pipeline import make_tiny_pipeline
 
 
 @functools.cache
@@ -23,9 +22,4 @@ def _root() -> Path:
 @functools.cache
 def tiny_pipeline_folder(family: str) -> Path:
     """The tiny pipeline folder of ``family`` (wan, flux), shared by the tests of a process."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from make_tiny_pipeline import make_tiny_pipeline
-    finally:
-        sys.path.remove(str(SCRIPTS))
     return make_tiny_pipeline(family, _root() / family)

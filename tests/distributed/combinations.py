@@ -11,23 +11,21 @@ checkpoint and resumed, and an exported model or adapter reloaded in plain diffu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
-
+from litegen.config.strategies import names_where
+from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.pairwise import Case, all_pairs
 from tests.distributed.runs import full_weights
 
 STEPS = 4  # a resumed case stops at step 2 and goes on to 4
 GLOBAL_BATCH = 4
-TWO_RANK_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp1", "fsdp2")
-FOUR_RANK_STRATEGIES = ("hsdp",)  # 2 simulated nodes of 2 ranks
+TWO_RANK_STRATEGIES = tuple(names_where(lambda row: row.min_nodes == 1))
+FOUR_RANK_STRATEGIES = tuple(names_where(lambda row: row.min_nodes == 2))  # 2 nodes of 2 ranks
 FEATURES: dict[str, list[Any]] = {
     "model": ["wan", "flux", "ltx_video", "sd3", "dit"],
     "ema": [False, True],

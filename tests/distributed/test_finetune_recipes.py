@@ -9,7 +9,6 @@ the launcher itself.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from litegen.entry import load_entry
 from litegen_cli.app import app
 from tests.distributed.harness import run_ranks
 from tests.media import make_media_folder
@@ -178,11 +178,7 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
 
 
 def test_caption_dropout_swaps_whole_samples_for_the_empty_caption() -> None:
-    sys.path.insert(0, str(RECIPES))
-    try:
-        from finetune import CaptionDropout
-    finally:
-        sys.path.remove(str(RECIPES))
+    CaptionDropout = load_entry(str(RECIPES / "finetune.py")).CaptionDropout
     batch = {"latents": torch.randn(4000, 2), "prompt_embeds": torch.ones(4000, 3, 2),
              "pooled": torch.ones(4000, 2)}  # fmt: skip
     empty = {"prompt_embeds": torch.zeros(3, 2), "pooled": torch.zeros(2)}
@@ -224,6 +220,22 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "holds no images" in cache_build(wan, empty)
+
+
+def test_launch_and_inspect_config_refuse_bad_folders_before_the_ranks_start(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    results = tmp_path / "results"
+    for command in ("inspect-config", "launch"):
+        args = [command, str(RECIPES / "finetune_video.yaml"), "launch.nproc_per_node=1",
+                f"model.pretrained={tiny_pipeline_folder('wan')}", f"data.folder={empty}",
+                f"results_dir={results}"]  # fmt: skip
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        assert f"media folder {empty} holds no images" in result.output.replace("\n", "")
+    assert not results.exists()  # no run folder claimed: no rank started
 
 
 def test_the_entry_check_refuses_bad_folders_before_anything_is_built(

@@ -1,9 +1,9 @@
 """`litegen launch` keeps up with a hand-written loop on a host-bound model (1 rank, CPU).
 
-The model (scripts/tiny_host_entry.py) is so small that a step is Python and op dispatch, so
+The model (litegen_zoo/tiny_host_entry.py) is so small that a step is Python and op dispatch, so
 whatever the launch path adds per step (a host sync, a busy thread, per-step bookkeeping) shows
 in its steps/s. Both sides run the same entry module in their own process, one after the other
-(scripts/launch_vs_hand.py); a side's rate is the median over 100-step windows after the
+(scripts/bench/launch_vs_hand.py); a side's rate is the median over 100-step windows after the
 warm-up, from the samples/s in its metrics.jsonl. On a noisy machine a failing comparison is
 measured again, up to three times, before the test fails. The sides are compared within an
 attempt, run back to back, so that one side's lucky run in a quiet moment cannot outweigh every
@@ -12,18 +12,13 @@ later attempt.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
+from litegen_zoo import tiny_host_entry
+from scripts.bench.launch_vs_hand import compare
+
 pytestmark = pytest.mark.slow
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-from launch_vs_hand import compare  # noqa: E402
 
 STEPS = 800
 WARMUP = 200
@@ -37,7 +32,7 @@ def test_launch_keeps_up_with_a_hand_written_loop(tmp_path):
     recipe.write_text(
         yaml.safe_dump(
             {
-                "launch": {"entry": str(SCRIPTS / "tiny_host_entry.py"), "nproc_per_node": 1},
+                "launch": {"entry": tiny_host_entry.__file__, "nproc_per_node": 1},
                 "exp_name": "launch_speed",
                 "runtime": {"device": "cpu", "distributed": {"backend": "gloo"}},
                 "max_steps": STEPS,

@@ -1,6 +1,6 @@
 """Real diffusers transformers under every strategy (gloo, CPU ranks): they train as DDP does.
 
-The eight architectures of ``scripts/real_models.py`` at their tiny sizes train a few steps under
+The eight architectures of ``litegen_zoo.real_models`` at their tiny sizes train a few steps under
 ddp, zero1, zero2, fsdp1 and fsdp2 on 2 ranks, and under ddp and hsdp on 4 ranks as 2 simulated
 nodes; a covering set of runs adds activation checkpointing, CPU offload, chunked MLPs and regional
 compile. Starting ranks costs seconds, so one group of processes runs every 2-rank case of every
@@ -17,19 +17,15 @@ labels at random per rank, so its batches depend on the number of ranks.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from litegen.blocks import repeated_blocks
+from litegen.config.strategies import names_where
+from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import TinyDiT
 from tests.distributed.runs import full_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +34,9 @@ MODEL_CLASSES = [spec.model_class() for spec in REAL_MODELS.values()]
 
 STEPS = 3
 GLOBAL_BATCH = 4
-STRATEGIES = ("zero1", "zero2", "fsdp1", "fsdp2")
+# The sharding strategies of the table that run on one node, each compared with the others'.
+STRATEGIES = tuple(names_where(lambda row: bool(row.shards) and row.min_nodes == 1))
+REPLICATED = tuple(names_where(lambda row: not row.shards))
 CHECKPOINT = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.0}}
 OPTIONS = {
     "checkpoint": {"memory": CHECKPOINT},
@@ -189,7 +187,7 @@ def hidden_call_errors(results: str) -> dict[str, str]:
 def two_rank_suite() -> dict:
     import tempfile
 
-    plain = [(name, s, None) for name in REAL_MODELS for s in ("ddp", *STRATEGIES)]
+    plain = [(name, s, None) for name in REAL_MODELS for s in (*REPLICATED, *STRATEGIES)]
     with tempfile.TemporaryDirectory(prefix="litegen-test-") as results:
         return run_cases(plain + OPTION_CASES) | {"hidden": hidden_call_errors(results)}
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from litegen.entry import load_entry
 from litegen_cli.app import app
 from tests.distributed.harness import run_ranks
 
@@ -134,11 +135,7 @@ def test_lora_dit_writes_adapters_that_diffusers_loads(tmp_path):
 
 def test_latent_dit_without_autoencoder_says_what_to_run(tmp_path):
     """Cheap, no launch: build() fails with the command that writes the checkpoint."""
-    sys.path.insert(0, str(RECIPES))
-    try:
-        from digits_autoencoder import DigitsAutoencoder
-    finally:
-        sys.path.remove(str(RECIPES))
+    DigitsAutoencoder = load_entry(str(RECIPES / "digits_autoencoder.py")).DigitsAutoencoder
     with pytest.raises(
         ValueError, match=re.escape("litegen launch recipes/digits_autoencoder.yaml")
     ):
@@ -226,11 +223,7 @@ def test_gpu_recipes_run_tiny_on_the_cpu_and_export_diffusers_folders(tmp_path):
     from litegen_cli.cache_build import build_recipe_cache
     from litegen_cli.recipe import load_recipe
 
-    sys.path.insert(0, str(RECIPES))
-    try:
-        from dit_imagenet import MODELS
-    finally:
-        sys.path.remove(str(RECIPES))
+    MODELS = load_entry(str(RECIPES / "dit_imagenet.py")).MODELS
     torch.manual_seed(1)
     source = DiTTransformer2DModel(**MODELS["tiny"])
     source.save_pretrained(tmp_path / "source")

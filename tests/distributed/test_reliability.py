@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from litegen.checkpoint.run_state import find_latest
+from litegen.checkpoint.step_dirs import find_latest
 from litegen_cli.run_folder import live_holder
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_launch import finish, litegen, read_metrics

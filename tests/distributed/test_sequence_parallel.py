@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on gloo CPU ranks: sp > 1 computes what sp = 1 computes.
 
 - Every built-in plan (Wan, LTX-Video, HunyuanVideo, CogVideoX, DiT, PixArt at their tiny sizes
-  from scripts/real_models.py): one step at sp = 2 and sp = 4 gives the loss and the gradients
+  from litegen_zoo/real_models.py): one step at sp = 2 and sp = 4 gives the loss and the gradients
   of one process on the whole batch, with token counts that do not divide by sp (padding).
   A custom model's own plan, with a key mask, likewise; the video entries of the built-in plans
   agree with diffusers' context-parallel plans.
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
 import tempfile
-from pathlib import Path
 
 import diffusers
 import pytest
@@ -37,13 +35,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS, LatentShape
-
 from litegen.parallel.sequence import SequencePlan, Split
 from litegen.parallel.sequence.plans import BUILTIN
+from litegen_zoo.real_models import REAL_MODELS, LatentShape
+from tests.distributed.harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

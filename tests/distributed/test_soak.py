@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from litegen.checkpoint.run_state import find_latest, list_checkpoints, resolve_checkpoint
+from litegen.checkpoint.step_dirs import find_latest, list_checkpoints, resolve_checkpoint
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_launch import finish, litegen, read_metrics
 from tests.distributed.test_reliability import (

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
-from models import PairDataset, loss_fn, make_model
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.models import PairDataset, loss_fn, make_model
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from litegen.memory.chunked_mlp import apply_chunked_mlp
+from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,14 +32,11 @@ def mlp() -> nn.Sequential:
 def step_peak(model: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
     """Peak bytes a forward and backward add above what was allocated before; the gradients."""
     x = x.detach().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = start_peak()
     with torch.autocast("cuda", torch.bfloat16):
         y = model(x)
     y.float().square().mean().backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = peak_since(base)
     grads = [x.grad] + [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return peak, y.detach(), grads

@@ -12,6 +12,7 @@ from litegen.compile import compile_blocks
 from litegen.flops import FlopCounter
 from litegen.utils.config import CompileConfig
 from tests.gpu.nets import BATCH, HIDDEN, TOKENS, Block
+from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,14 +43,11 @@ def first_step(compiled: bool, count: bool):
     if compiled:
         compile_blocks(net, CompileConfig(enabled=True))
     x = torch.randn(BATCH, TOKENS, HIDDEN, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = start_peak()
     with FlopCounter() if count else nullcontext() as counter:
         loss = net(x)
         loss.backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = peak_since(before)
     grads = {name: p.grad.detach().clone() for name, p in net.named_parameters()}
     flops = counter.flops if counter is not None else None
     del net, x, loss

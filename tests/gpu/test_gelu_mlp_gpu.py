@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,7 @@ from litegen.compile import compile_blocks
 from litegen.experimental.cublaslt import dgelu, gelu_aux_bias
 from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp
 from litegen.utils.config import CompileConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from dit_model import DiT, DiTConfig, sample_batch
+from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
 
 pytestmark = [
     pytest.mark.gpu,

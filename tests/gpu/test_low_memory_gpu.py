@@ -12,6 +12,7 @@ from litegen.fp8_training import apply_fp8_training, fp8_unavailable
 from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora
 from litegen.memory import BlockSwap
+from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,13 +58,11 @@ def step(net: nn.Module) -> tuple[dict, int]:
     x = torch.randn(
         2, TOKENS, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(1)
     )
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = start_peak()
     net(x).square().mean().backward()
-    torch.cuda.synchronize()
+    peak = peak_since(base)
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.requires_grad}
-    return grads, torch.cuda.max_memory_allocated() - base
+    return grads, peak
 
 
 @pytest.mark.parametrize("fp8", [None, "rowwise"])

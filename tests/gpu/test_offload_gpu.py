@@ -9,6 +9,7 @@ from torch import nn
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import MemoryConfig
 from tests.gpu.nets import BATCH, HIDDEN, TOKENS, Block
+from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,12 +49,9 @@ def run(offload: bool, checkpoint: bool) -> tuple[int, dict[str, torch.Tensor], 
     model.zero_grad(set_to_none=False)
     if offloader is not None:
         offloader.stats.reset()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = start_peak()
     model(x, cond).backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = peak_since(before)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return peak, grads, offloader.stats if offloader else None
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +14,8 @@ from litegen.flops import FlopCounter, peak_flops
 from litegen.kernels.attention import BACKENDS, attention_context
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import CompileConfig, MemoryConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from dit_model import DiT, DiTConfig, sample_batch
-from gpu_power import PowerMeter, sustained
+from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
+from scripts.lab.gpu_power import PowerMeter, sustained
 
 pytestmark = [
     pytest.mark.gpu,

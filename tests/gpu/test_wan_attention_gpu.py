@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +11,7 @@ from litegen.compile import compile_blocks
 from litegen.experimental.qk_norm_rope import qk_norm_rope, reference
 from litegen.experimental.wan_attention import apply_fused_wan_attention
 from litegen.utils.config import CompileConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
+from litegen_zoo.real_models import REAL_MODELS
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,14 +1,9 @@
 """The sequence-parallel grid's longest-sequence search finds the limit with few probes."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from bench_sp import SHAPES, THROUGHPUT_FRAMES, throughput, tokens
-from length_search import longest
+from scripts.bench.bench_sp import SHAPES, THROUGHPUT_FRAMES, throughput, tokens
+from scripts.bench.length_search import longest
 
 
 @pytest.mark.parametrize("limit", [0, 3, 4, 5, 17, 36, 37, 63, 64, 100, 399, 400, 1000])

@@ -1,17 +1,15 @@
-"""scripts/benchmarks_summary.py: the summary of benchmarks/README.md is current and checked.
+"""scripts/bench/benchmarks_summary.py: the summary of benchmarks/README.md is current and checked.
 
 uv run --locked pytest tests/unit/test_benchmarks_summary.py
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from benchmarks_summary import END, START, main, read_result
+from scripts.bench.benchmarks_summary import END, START, main, read_result
 
 RESULT = """# Microbenchmark: something measured
 
@@ -23,7 +21,7 @@ RESULT = """# Microbenchmark: something measured
 - Commands:
 
   ```sh
-  python3 scripts/bench_dit.py --workload C
+  python3 -m scripts.bench.bench_dit --workload C
   ```
 
 | a | b |
@@ -68,7 +66,7 @@ def test_a_file_missing_a_header_field_fails(tmp_path: Path, capsys, field: str)
 
 
 def test_commands_without_a_command_block_count_as_missing(tmp_path: Path):
-    text = RESULT.replace("  python3 scripts/bench_dit.py --workload C\n", "")
+    text = RESULT.replace("  python3 -m scripts.bench.bench_dit --workload C\n", "")
     folder = folder_with(tmp_path, **{"2026-12-01-something": text})
     with pytest.raises(ValueError, match="lacks Commands"):
         read_result(folder / "2026-12-01-something.md")

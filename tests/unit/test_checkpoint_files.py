@@ -1,7 +1,11 @@
-"""Checkpoint names, atomic writes, and loads that name what is wrong."""
+"""Checkpoint names, atomic writes, the table of formats, and loads that name what is wrong."""
 
+import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from litegen.checkpoint import (
     optimizer_path_for,
     save_state,
 )
+from litegen.checkpoint.formats import FORMATS, format_for_name, format_of, state_format
+from litegen.checkpoint.zero_state import MANIFEST_FORMAT, load_optimizer_state
 
 
 @pytest.mark.parametrize(
@@ -89,3 +95,51 @@ def test_mismatched_keys_and_shapes_are_all_listed():
     assert "unexpected keys: extra" in message
     assert "weight: file (2, 4) vs model (2, 3)" in message
     assert "ck.pth" in message
+
+
+def test_every_row_of_the_format_table_is_a_format_of_that_name():
+    for name in FORMATS:
+        assert state_format(name).name == name
+    assert state_format("zero_sharded").manifest_tag == MANIFEST_FORMAT
+    with pytest.raises(ValueError, match="unknown checkpoint format 'npz'; use one of diffusers"):
+        state_format("npz")
+
+
+def test_one_place_tells_the_formats_apart(tmp_path):
+    save_state({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    save_state({"w": torch.ones(2)}, tmp_path / "m.pth")
+    manifest = tmp_path / "o.optim_state.pth"
+    manifest.write_text(json.dumps({"format": MANIFEST_FORMAT}))
+    assert format_of(tmp_path / "m.safetensors", "model").name == "safetensors"
+    assert format_of(tmp_path / "m.pth", "optimizer").name == "torch"
+    assert format_of(manifest, "optimizer").name == "zero_sharded"
+    assert format_of(tmp_path, "model").name == "diffusers"  # folders are diffusers' or refused
+    # Each kind of state is read only from the formats that can hold it, and a plain state
+    # file from the single files.
+    assert format_of(manifest, "model").name == "torch"
+    assert format_of(tmp_path, "optimizer").name == "torch"
+    assert format_of(tmp_path).name == format_of(manifest).name == "torch"
+    assert format_for_name("new.lora.safetensors").name == "safetensors"
+    assert format_for_name("new.ckpt").name == "torch"
+
+
+def test_a_foreign_json_file_is_not_taken_for_a_zero_manifest(tmp_path):
+    path = tmp_path / "o.optim_state.pth"
+    path.write_text(json.dumps({"format": "someone.else"}))
+    with pytest.raises(ValueError, match="is JSON but not a LiteGen sharded optimizer manifest"):
+        load_optimizer_state(path)
+
+
+def test_the_run_folder_names_import_without_torch():
+    # The CLI reads run folders before any rank starts; torch would cost it seconds.
+    snippet = textwrap.dedent(
+        """
+        import sys
+        import litegen.checkpoint.layout, litegen.checkpoint.formats, litegen.checkpoint.step_dirs
+        import litegen_cli.run_folder, litegen_cli.resume
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not loaded, loaded[:5]
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

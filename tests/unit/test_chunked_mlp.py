@@ -161,7 +161,7 @@ def test_prepare_chunks_the_mlps_and_refuses_the_fused_mlp_beside_it(tmp_path):
 
 
 def test_a_compiled_diffusers_model_runs_its_mlps_chunked():
-    from real_models import REAL_MODELS  # scripts/ is on the path (tests.unit.test_gelu_mlp)
+    from litegen_zoo.real_models import REAL_MODELS
 
     torch._dynamo.reset()
     spec = REAL_MODELS["wan"]

@@ -7,9 +7,6 @@ counting recompiles, ``"eager"`` (Dynamo only). ``tests/gpu/test_perf_gpu.py`` r
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
@@ -18,9 +15,7 @@ from torch._inductor import config as inductor_config
 from litegen.compile import compile_blocks, compile_kwargs, inductor_options, is_compiled
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import CompileConfig, MemoryConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from dit_model import DiT, DiTConfig, sample_batch
+from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
 
 TINY = DiTConfig(hidden=32, depth=3, heads=2, num_classes=10)
 

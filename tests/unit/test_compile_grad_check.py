@@ -1,16 +1,12 @@
-"""scripts/compile_grad_check.py: compiled blocks' gradients against eager ones."""
+"""scripts/lab/compile_grad_check.py: compiled blocks' gradients against eager ones."""
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from compile_grad_check import difference, train
+from scripts.lab.compile_grad_check import difference, train
 
 
 def _args(backend) -> argparse.Namespace:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -271,9 +269,7 @@ def test_bucketed_shapes_keep_recompiles_bounded_with_dynamic_null():
 
     from litegen.compile import compile_blocks
     from litegen.utils.config import CompileConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from dit_model import DiT, DiTConfig
+    from litegen_zoo.dit_model import DiT, DiTConfig
 
     keys = KEYS + [(16, 24)] * 4
     sampler = BucketBatchSampler(keys, global_batch_size=4, max_steps=11, seed=1)

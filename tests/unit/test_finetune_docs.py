@@ -22,7 +22,7 @@ def test_the_page_has_code() -> None:
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for family in ("wan", "flux"):
-        if f"tiny_{family}" in BLOCKS[index]:  # the folder scripts/make_tiny_pipeline.py writes
+        if f"tiny_{family}" in BLOCKS[index]:  # the folder litegen_zoo/make_tiny_pipeline.py writes
             (tmp_path / f"tiny_{family}").symlink_to(tiny_pipeline_folder(family))
     monkeypatch.chdir(tmp_path)
     exec(compile(BLOCKS[index], f"{DOC.name} block {index}", "exec"), {})

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -22,9 +20,7 @@ from litegen.flops import FlopCounter, StepThroughput, mfu, peak_flops, throughp
 from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
 from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
+from litegen_zoo.real_models import REAL_MODELS
 
 
 def test_counter_sees_forward_and_backward_matmuls():

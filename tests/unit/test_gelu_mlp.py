@@ -11,7 +11,6 @@ import io
 import sys
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +24,7 @@ from litegen.experimental import TESTED_TORCH, torch_release
 from litegen.experimental.gelu_mlp import sum_rows
 from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp, is_fused
 from litegen.utils.config import CompileConfig, MainConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from dit_model import DiT, DiTConfig, sample_batch
+from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
 
 TINY = DiTConfig(hidden=32, depth=3, heads=2, num_classes=10)
 

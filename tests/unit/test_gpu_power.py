@@ -1,16 +1,13 @@
-"""scripts/gpu_power.py with a stand-in for NVML: what its reading makes of the counters."""
+"""scripts/lab/gpu_power.py with a stand-in for NVML: what its reading makes of the counters."""
 
 from __future__ import annotations
 
 import ctypes
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from gpu_power import PowerMeter
+from scripts.lab.gpu_power import PowerMeter
 
 
 class FakeNvml:

@@ -2,15 +2,11 @@
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from launch_vs_hand import run_side, window_rates
+from scripts.bench.launch_vs_hand import run_side, window_rates
 
 
 def per_step(seconds: list[float], batch: int = 4) -> list[dict]:
@@ -49,7 +45,7 @@ def test_the_launch_sides_peak_is_the_largest_logged_one(tmp_path):
         (tmp_path / "summary.json").write_text(json.dumps({"peak_memory_gib": 18.6}))
         return subprocess.CompletedProcess(command, 0, stdout="")
 
-    with mock.patch("launch_vs_hand.subprocess.run", fake_run):
+    with mock.patch("scripts.bench.launch_vs_hand.subprocess.run", fake_run):
         records, summary = run_side("launch", tmp_path / "recipe.yaml", tmp_path)
     assert len(records) == 2
     assert summary["peak_memory_gib"] == 41.5

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from litegen.blocks import repeated_blocks
 from litegen.parallel.outside_calls import called_from_outside
+from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.models import TinyDiT
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
 
 
 class Block(nn.Module):

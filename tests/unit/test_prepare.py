@@ -159,12 +159,15 @@ def test_memory_budget_policy_needs_compile(tmp_path):
 
 
 def test_reserved_parallel_degrees_raise(tmp_path):
-    with pytest.raises(NotImplementedError, match=r"cp_size=2.*split long sequences with sp_size"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"cp_size': ring attention is reserved.*\(cp_size 2\).*split long sequences with sp_size",
+    ):
         make_gen(tmp_path, optimization={"parallel": {"cp_size": 2}})
 
 
 def test_sequence_parallel_size_must_divide_the_world(tmp_path):
-    with pytest.raises(ValueError, match=r"sp_size=2 must divide the world size 1"):
+    with pytest.raises(ValueError, match=r"sp_size': 2 does not divide the world size 1"):
         make_gen(tmp_path, optimization={"parallel": {"sp_size": 2}})
 
 

@@ -1,15 +1,14 @@
-"""scripts/real_models.py: the configs build, and a tiny batch reaches every parameter."""
+"""litegen_zoo/real_models.py: the configs build, and a tiny batch reaches every parameter."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from real_models import REAL_MODELS
+from litegen_zoo.real_models import REAL_MODELS
 
 
 @pytest.mark.parametrize("name", list(REAL_MODELS))
@@ -47,3 +46,16 @@ def test_batches_are_seeded_and_split_into_samples():
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not torch.equal(first["latents"], spec.batch(seed=4)["latents"])
     assert {v.shape[0] for v in spec.batch(batch_size=5).values()} == {5}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "size", "name"), [("dit_imagenet", "xl", "dit"), ("wan_video", "1.3b", "wan")]
+)
+def test_recipes_train_the_zoos_published_configs(recipe, size, name):
+    """Recipes are standalone files a user copies, so they spell the published config out
+    instead of importing the zoo; this keeps the two copies equal."""
+    path = Path(__file__).resolve().parents[2] / "recipes" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.MODELS[size] == REAL_MODELS[name].reference

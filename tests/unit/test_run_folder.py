@@ -6,6 +6,7 @@ real launches are in tests/distributed/test_reliability.py.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -192,3 +193,18 @@ def test_a_failed_validation_writes_nothing(tmp_path, launched):
     result = invoke("launch", write_recipe(tmp_path), "max_step=4")
     assert result.exit_code == 2
     assert not (tmp_path / "results").exists()
+
+
+def test_the_cli_spells_no_run_folder_name():
+    # litegen.checkpoint.layout declares them; a copy here would drift from the core's.
+    names = {"step_*", "latest", "COMPLETE", "MANIFEST.json", "metrics.jsonl", "launch.yaml"}
+    cli = Path(__file__).resolve().parents[2] / "litegen_cli" / "src" / "litegen_cli"
+    spelled = [
+        f"{path.name}:{node.lineno}: {node.value!r}"
+        for path in sorted(cli.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and (node.value in names or node.value.endswith("*.pth"))
+    ]
+    assert not spelled, spelled

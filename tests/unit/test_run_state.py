@@ -17,7 +17,8 @@ from torch import nn
 
 import litegen
 from litegen.checkpoint import run_state
-from litegen.checkpoint.run_state import COMPLETE, LATEST, find_latest, resolve_checkpoint
+from litegen.checkpoint.layout import COMPLETE, LATEST
+from litegen.checkpoint.step_dirs import find_latest, resolve_checkpoint
 from litegen.trainer import Trainer
 from litegen.utils.config import MainConfig
 

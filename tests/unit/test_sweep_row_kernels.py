@@ -1,18 +1,16 @@
-"""scripts/sweep_row_kernels.py: which files of an inductor cache it sweeps (timing needs a GPU).
+"""scripts/lab/sweep_row_kernels.py: which files of an inductor cache it sweeps (timing: a GPU).
 
 uv run pytest tests/unit/test_sweep_row_kernels.py
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from sweep_row_kernels import row_kernels
+from scripts.lab.sweep_row_kernels import row_kernels
 
 
 def write(path: Path, *lines: str) -> Path:

@@ -1,14 +1,12 @@
-"""scripts/trace_kernels.py on a hand-made trace: heaviest kernels and the gaps between them."""
+"""scripts/lab/trace_kernels.py on a hand-made trace: heaviest kernels and the gaps between them."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from trace_kernels import gaps, heaviest, host_calls, kernel_category, load_kernels
+from scripts.lab.trace_kernels import gaps, heaviest, host_calls, kernel_category, load_kernels
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:

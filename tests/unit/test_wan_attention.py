@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,15 +23,13 @@ from litegen.config import ExperimentalConfig, MainConfig
 from litegen.experimental import TESTED_TORCH, Lab, torch_release
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from real_models import REAL_MODELS
 
 from litegen.experimental.qk_norm_rope import qk_norm_rope, reference
 from litegen.experimental.wan_attention import (
     FusedWanSelfAttention,
     apply_fused_wan_attention,
 )
+from litegen_zoo.real_models import REAL_MODELS
 
 CHILD = r"""
 import torch

@@ -12,7 +12,9 @@ from typing import Annotated
 
 import typer
 
+from litegen.checkpoint.layout import STEP_DIR_GLOB
 from litegen_cli import render
+from litegen_cli.entry_check import input_problems
 from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed, RankFailure
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
@@ -80,11 +82,20 @@ def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
     """
     try:
         recipe = load_recipe(recipe_path, overrides or [])
-        derive_plan(recipe)
+        check_before_spawn(recipe)
     except RecipeError as err:
         render.print_recipe_error(err)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     return recipe
+
+
+def check_before_spawn(recipe: Recipe) -> None:
+    """The checks a loaded recipe passes before any rank starts: the run plan (job shape,
+    strategy rules) and the entry's ``check_inputs(config)`` hook; RecipeError otherwise."""
+    derive_plan(recipe)
+    problems = input_problems(recipe.launch.entry, recipe.base_dir, recipe.config)
+    if problems:
+        raise RecipeError(problems)
 
 
 def run_launch(
@@ -140,7 +151,7 @@ def run_launch(
 def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
     """One line for a signal, else one panel: the root failure, the others, where the logs are."""
     resume = ""
-    if any(Path(checkpoint_dir).glob("step_*")):
+    if any(Path(checkpoint_dir).glob(STEP_DIR_GLOB)):
         resume = f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
     if err.signal is not None:
         line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
@@ -227,7 +238,7 @@ def resume(
 
     try:
         recipe, changes = resume_recipe(checkpoint, overrides or [], branch)
-        derive_plan(recipe)
+        check_before_spawn(recipe)
     except RecipeError as err:
         render.print_recipe_error(err)
         raise typer.Exit(EXIT_BAD_INPUT) from None

@@ -22,6 +22,7 @@ import ast
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 FIX = (
     "an entry module defines build(config) -> dict of the objects to prepare, and "
@@ -58,6 +59,35 @@ def entry_problems(entry: str, base_dir: Path) -> list[str]:
         if problem:
             problems.append(f"{where}: {problem}")
     return problems
+
+
+def input_problems(entry: str, base_dir: Path, config: Any) -> list[str]:
+    """What the entry's optional ``check_inputs(config)`` hook refuses (a missing folder or
+    file), as problem lines, before any rank starts; [] when it passes or is not defined.
+
+    Only an entry whose source defines the hook is imported here, so other entries start as
+    fast as before. The hook raises ``ValueError`` naming the path and the fix.
+
+    Example:
+        >>> input_problems("digits_dit.py", Path("recipes"), config=None)  # defines no hook
+        []
+    """
+    path, problem = locate_entry(entry, base_dir)
+    if problem or path is None:
+        return []
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, OSError, UnicodeDecodeError):
+        return []  # entry_problems reports it
+    if "check_inputs" not in _top_level_names(tree)[0]:
+        return []
+    from litegen.entry import check_inputs  # imports torch and the entry's own imports
+
+    try:
+        check_inputs(config, entry, base_dir)
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def locate_entry(entry: str, base_dir: Path) -> tuple[Path | None, str | None]:

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from litegen.config.strategies import (
+    DEFAULT_STRATEGY,
+    FSDP2_OPTIONS,
+    STRATEGIES,
+    job_shape_problems,
+    requirement_problems,
+)
 from litegen_cli.recipe import Recipe, RecipeError, layout_problems
 
 AUTO_DEVICE = "auto (cuda if available, else cpu)"
@@ -64,7 +71,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     cfg = recipe.config
     parallel = _get(_get(cfg, "optimization", None), "parallel", None)
     world = recipe.launch.nproc_per_node * recipe.launch.nnodes
-    strategy = str(_get(parallel, "strategy", "ddp"))
+    strategy = str(_get(parallel, "strategy", DEFAULT_STRATEGY))
     sp = int(_get(parallel, "sp_size", 1))
     trainer = _get(cfg, "trainer", None)
     accum = int(_get(trainer, "grad_accum_steps", 1))
@@ -142,9 +149,10 @@ def _checkpointed(ac: Any) -> str:
 def _weights(optimization: Any) -> str:
     """Where parameters and optimizer state live and in which precision, as the plan shows it."""
     parts = []
-    fsdp2 = _get(_get(optimization, "parallel", None), "fsdp2", None)
-    strategy = str(_get(_get(optimization, "parallel", None), "strategy", "ddp"))
-    if _get(fsdp2, "cpu_offload", False) and strategy in ("fsdp2", "hsdp"):
+    parallel = _get(optimization, "parallel", None)
+    strategy = str(_get(parallel, "strategy", DEFAULT_STRATEGY))
+    offload = parallel is not None and parallel.fsdp2.cpu_offload
+    if offload and FSDP2_OPTIONS in STRATEGIES[strategy].options:
         parts.append("parameters, gradients and optimizer state in host memory (cpu_offload)")
     fp8_base = _get(_get(optimization, "lora", None), "fp8_base", None)
     if fp8_base is not None:
@@ -177,25 +185,18 @@ def runtime_refusals(recipe: Recipe) -> list[str]:
     for name in cfg.optimization.profiles:
         sections[f"optimization.profiles.{name}"] = cfg.optimization_for(name)
     for where, opt in sections.items():
-        parallel, strategy = opt.parallel, opt.parallel.strategy
-        if strategy == "hsdp" and recipe.launch.nnodes < 2:
-            problems.append(
-                f"field '{where}.parallel.strategy': 'hsdp' replicates across nodes and needs "
-                "launch.nnodes >= 2; use 'fsdp2' on one node"
-            )
-        if strategy == "zero2" and parallel.zero1.parameter_sync != "bucketed":
-            problems.append(
-                f"field '{where}.parallel.zero1.parameter_sync': zero2 needs 'bucketed', got "
-                f"{parallel.zero1.parameter_sync!r}"
-            )
-        if strategy == "fsdp1" and opt.precision.fsdp2_mixed.output_dtype is not None:
-            problems.append(
-                f"field '{where}.precision.fsdp2_mixed.output_dtype': FSDP1 has no equivalent; "
-                "unset it, or use strategy 'fsdp2'"
-            )
-        fsdp2 = parallel.fsdp2
+        strategy = opt.parallel.strategy
+        # The strategy's rules, as the ranks apply them (litegen.config.strategies).
+        shape = job_shape_problems(
+            world_size=recipe.launch.nproc_per_node * recipe.launch.nnodes,
+            nnodes=recipe.launch.nnodes,
+            strategy=strategy,
+            where=where,
+        )
+        problems += [str(p) for p in [*shape, *requirement_problems(opt, where=where)]]
+        fsdp2 = opt.parallel.fsdp2
         if (
-            strategy in ("fsdp2", "hsdp")
+            FSDP2_OPTIONS in STRATEGIES[strategy].options
             and fsdp2.wrap_strategy == "manual"
             and not fsdp2.wrap_paths
         ):

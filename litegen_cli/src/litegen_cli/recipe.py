@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
 from litegen.config.checks import IgnoredOptionWarning, ignored_options
+from litegen.config.strategies import job_shape_problems
 from litegen_cli.entry_check import entry_problems
 from litegen_cli.slurm import apply_slurm_env
 
@@ -189,17 +190,9 @@ def layout_problems(*, world: int, sp: int, cp: int, accum: int, global_batch: i
     >>> layout_problems(world=2, sp=1, cp=1, accum=1, global_batch=3)
     ["field 'global_batch_size': 3 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 1 = 2"]
     """
-    problems = []
-    if cp > 1:
-        problems.append(
-            "field 'optimization.parallel.cp_size': ring attention is reserved and not "
-            "implemented; set it to 1 (sp_size splits long sequences over Ulysses attention)"
-        )
-    if world % sp:
-        problems.append(
-            f"field 'optimization.parallel.sp_size': {sp} does not divide the world size "
-            f"{world} (launch.nproc_per_node * launch.nnodes)"
-        )
+    # The rules on ranks and nodes are the core's (the strategy's own: plan.runtime_refusals).
+    shape = job_shape_problems(world_size=world, nnodes=1, sp_size=sp, cp_size=cp)
+    problems = [str(problem) for problem in shape]
     dp = max(world // sp, 1)
     if global_batch % (dp * accum):
         problems.append(

@@ -3,7 +3,8 @@
 The recipe is rebuilt from the checkpoint's ``config.yaml`` and ``launch.yaml`` (the entry
 module and rank layout ``litegen launch`` used), the command's overrides are applied on top,
 and ``trainer.resume_run`` is pointed at the checkpoint. The recipe is then validated and
-launched exactly like ``litegen launch`` does. torch is imported only by :func:`resume_recipe`.
+launched exactly like ``litegen launch`` does. torch is imported only by :func:`resume_recipe`
+(to read DCP's metadata of the checkpoint).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from litegen.checkpoint.layout import CONFIG, LAUNCH, MANIFEST
+from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint
 from litegen_cli.recipe import Recipe, RecipeError, recipe_from_data
 
 _IGNORED = {"launch.recipe_dir"}  # bookkeeping that `litegen` fills in, not a user choice
@@ -52,9 +55,6 @@ def resume_recipe(
         recipe, changes = resume_recipe(Path("results/dit/step_500"), ["max_steps=2000"])
         changes
     """
-    from litegen.checkpoint.manifest import MANIFEST
-    from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint
-
     try:
         step_dir = resolve_checkpoint(checkpoint).absolute()
         saved = read_config_text(step_dir)
@@ -65,12 +65,12 @@ def resume_recipe(
             hint="Pass a step_<N> folder written by the training loop, or its checkpoint_dir.",
         ) from None
     try:
-        launch = read_config_text(step_dir, "launch.yaml", optional=True)
+        launch = read_config_text(step_dir, LAUNCH, optional=True)
     except (OSError, ValueError, yaml.YAMLError) as err:
         raise RecipeError(
-            [f"run checkpoint {step_dir} has a corrupt launch.yaml: {err}"],
+            [f"run checkpoint {step_dir} has a corrupt {LAUNCH}: {err}"],
             title="Cannot resume:",
-            hint="Repair launch.yaml, or move it aside and give the entry module and ranks as "
+            hint=f"Repair {LAUNCH}, or move it aside and give the entry module and ranks as "
             "overrides (launch.entry=path/to/entry.py launch.nproc_per_node=N).",
         ) from None
     # The run checkpoint replaces the spec's resume_from.
@@ -80,13 +80,13 @@ def resume_recipe(
         data.update(_folders_of(step_dir, saved))
     else:
         data.update(results_dir=str(branch.absolute()), checkpoint_dir=None)
-    path = step_dir / "config.yaml"
+    path = step_dir / CONFIG
     try:
         recipe = recipe_from_data(data, path, overrides)
     except RecipeError as err:
         if not launch:
             err.problems.append(
-                f"{step_dir} has no launch.yaml (it was not written by `litegen launch`): "
+                f"{step_dir} has no {LAUNCH} (it was not written by `litegen launch`): "
                 "give the entry module with launch.entry=path/to/entry.py"
             )
         raise RecipeError(err.problems, title=err.title, hint=err.hint) from None

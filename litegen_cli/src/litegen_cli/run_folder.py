@@ -23,7 +23,6 @@ there before the ranks start. Torch-free.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -36,6 +35,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from litegen.checkpoint.layout import LATEST, METRICS, STEP_DIR_GLOB, final_weights_glob, step_of
+from litegen.checkpoint.step_dirs import newer_checkpoints
 
 try:
     import fcntl
@@ -83,17 +85,17 @@ def earlier_run(config: Any) -> list[str]:
     """
     found = []
     checkpoints = Path(config.get_checkpoint_dir()).absolute()
-    steps = sorted(checkpoints.glob("step_*")) if checkpoints.is_dir() else []
-    latest = checkpoints / "latest"
+    steps = sorted(checkpoints.glob(STEP_DIR_GLOB)) if checkpoints.is_dir() else []
+    latest = checkpoints / LATEST
     if steps or latest.is_file():
         pointer = latest.read_text(encoding="utf-8").strip() if latest.is_file() else "none"
         found.append(f"{len(steps)} run checkpoint(s) in {checkpoints} (latest: {pointer})")
-    metrics = Path(config.get_results_dir()).absolute() / "metrics.jsonl"
+    metrics = Path(config.get_results_dir()).absolute() / METRICS
     if metrics.is_file() and metrics.stat().st_size > 0:
         with open(metrics, "rb") as handle:
             records = sum(1 for line in handle if line.strip())
         found.append(f"{metrics} ({records} record(s))")
-    weights = sorted(checkpoints.glob(f"{glob.escape(config.exp_name)}*.pth"))
+    weights = sorted(checkpoints.glob(final_weights_glob(config.exp_name)))
     if weights:
         found.append(f"final weights {', '.join(p.name for p in weights)} in {checkpoints}")
     return found
@@ -178,8 +180,6 @@ def _aside_name(folder: Path) -> Path:
 def _keep_newer_steps(config: Any, resumes: Path, move: bool) -> list[str]:
     """Refuse a resume that would replace newer checkpoints, or move them (and the final weights
     and a copy of metrics.jsonl, whose later records the resumed run drops) aside."""
-    from litegen.checkpoint.step_dirs import newer_checkpoints, step_of  # resume imports torch
-
     checkpoints = Path(config.get_checkpoint_dir()).absolute()
     step = step_of(resumes)
     newer = newer_checkpoints(checkpoints, step) if step is not None else []
@@ -200,10 +200,10 @@ def _keep_newer_steps(config: Any, resumes: Path, move: bool) -> list[str]:
         return []
     aside = _aside_name(checkpoints)
     aside.mkdir()
-    weights = checkpoints.glob(f"{glob.escape(config.exp_name)}*.pth")
+    weights = checkpoints.glob(final_weights_glob(config.exp_name))
     for path in [*newer, *weights]:
         os.rename(path, aside / path.name)
-    metrics = Path(config.get_results_dir()).absolute() / "metrics.jsonl"
+    metrics = Path(config.get_results_dir()).absolute() / METRICS
     if metrics.is_file():
         shutil.copy2(metrics, aside / metrics.name)
     return [f"Moved {names} (newer than {resumes.name}) aside to {aside}."]

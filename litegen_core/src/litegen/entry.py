@@ -23,8 +23,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from litegen.runtime.prepare import preparable_kind
 
 REQUIRED = ("build", "train_step")
 # Containers and arrays that are data for the hooks (a held-out tuple), never a training set.
@@ -74,31 +74,25 @@ def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
 
 
 def built_kind(obj: Any) -> str | None:
-    """How ``run_entry`` treats one value of the ``build(config)`` dict: the kind it prepares,
-    or None for a value that reaches ``train_step`` and the hooks unchanged.
+    """How ``run_entry`` treats one value of the ``build(config)`` dict: the kind ``prepare``
+    takes it as (:func:`litegen.runtime.prepare.preparable_kind`), or None for a value that
+    reaches ``train_step`` and the hooks unchanged (containers, tensors and arrays are data
+    for the hooks, never a training set).
 
+    >>> from torch import nn
     >>> built_kind(nn.Linear(2, 2)), built_kind((torch.zeros(2), torch.zeros(2)))
     ('model', None)
     """
-    if isinstance(obj, nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, DataLoader):
-        return "dataloader"
-    if isinstance(obj, (Dataset, IterableDataset)):
-        return "dataset"
-    if isinstance(obj, _PLAIN) or type(obj).__module__ == "numpy" or callable(obj):
+    if isinstance(obj, _PLAIN) or type(obj).__module__ == "numpy":
         return None
-    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
-        return "dataset"
-    return None
+    return preparable_kind(obj)
 
 
 def parts_to_prepare(built: Any, entry: str) -> list[str]:
     """The names of the ``build(config)`` values to prepare; ``ValueError`` naming the fix when
     it is not a dict with exactly one dataset (or DataLoader) and at least one optimizer.
 
+    >>> from torch import nn
     >>> from torch.utils.data import TensorDataset
     >>> m = nn.Linear(4, 1)
     >>> o = torch.optim.SGD(m.parameters(), lr=0.1)

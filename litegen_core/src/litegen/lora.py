@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from litegen.module_paths import clean_name
+
 log = logging.getLogger("litegen")
 
 PEFT_MISSING = (
@@ -204,16 +206,12 @@ def export_key(name: str, adapter: str) -> str:
         >>> export_key("blocks.0.attn.to_q.lora_A.default.weight", "default")
         'blocks.0.attn.to_q.lora_A.weight'
     """
-    from litegen.parallel.fsdp2 import clean_name
-
     name = clean_name(name).removeprefix(_PEFT_MODEL_PREFIX)
     return re.sub(rf"(\.lora_\w+)\.{re.escape(adapter)}(?=\.|$)", r"\1", name)
 
 
 def _exported_names(model: nn.Module) -> dict[str, str]:
     """File key (without prefix) -> the model's state-dict name, for every adapter parameter."""
-    from litegen.parallel.fsdp2 import clean_name
-
     adapter = _adapter_name(model)
     return {
         export_key(name, adapter): clean_name(name)

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from litegen.checkpoint.files import atomic_write_text
+from litegen.checkpoint.layout import METRICS
 from litegen.config.training import WandbConfig
 from litegen.loggers import Sink, open_sinks
 from litegen.loggers.progress import ProgressBar, ProgressLines, progress_display, status_of
@@ -77,7 +78,7 @@ class MetricsLogger:
         if not self.enabled:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / "metrics.jsonl"
+        path = self.folder / METRICS
         _keep_records_up_to(path, self._start)
         self._file = open(path, "a", encoding="utf-8")
         self._sinks = open_sinks(self._loggers, self.folder, **self._sink_options)

@@ -36,3 +36,15 @@ def is_under(name: str, paths: Iterable[str]) -> bool:
         (True, False)
     """
     return any(name == p or name.startswith(p + ".") for p in paths)
+
+
+# Wrappers that insert a path component into parameter names (FSDP1, checkpoint_wrapper,
+# torch.compile); names are compared without them.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user's unwrapped module spells it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

@@ -1,41 +1,47 @@
-"""Everything checkpoints: single files (names, atomic writes, validated loads), run checkpoint
-folders (``run_state`` writes and loads them, ``step_dirs`` finds and checks them, ``manifest``
-verifies their files), ZeRO's sharded optimizer files (``zero_state``) and the checkpoint half
-of the LiteGen object (``api``)."""
+"""Everything checkpoints: the names of a run's files (``layout``, torch-free), the formats a
+state lies on disk in (``formats``: the table; ``files``: torch.save and safetensors;
+``zero_state``: ZeRO's sharded optimizer files; ``interop``: diffusers folders), run checkpoint
+folders (``run_state`` writes them, ``run_load`` loads them, ``step_dirs`` finds and checks
+them, ``manifest`` verifies their files) and the checkpoint half of the LiteGen object (``api``).
 
-from litegen.checkpoint.files import (
-    atomic_write,
-    atomic_write_text,
-    check_model_state,
-    checkpoint_path,
-    load_state,
-    optimizer_path_for,
-    replace_dir,
-    save_state,
-)
-from litegen.checkpoint.run_state import RunCheckpointer, Trainable, capture_rng, restore_rng
-from litegen.checkpoint.step_dirs import (
-    find_latest,
-    list_checkpoints,
-    resolve_checkpoint,
-    step_dir_name,
-)
+Nothing is imported at load: the names below load their module (and torch) on first use, so the
+CLI imports ``litegen.checkpoint.layout`` without torch.
 
-__all__ = [
-    "RunCheckpointer",
-    "Trainable",
-    "atomic_write",
-    "atomic_write_text",
-    "capture_rng",
-    "check_model_state",
-    "checkpoint_path",
-    "find_latest",
-    "list_checkpoints",
-    "load_state",
-    "optimizer_path_for",
-    "replace_dir",
-    "resolve_checkpoint",
-    "restore_rng",
-    "save_state",
-    "step_dir_name",
-]
+Example:
+    >>> from litegen.checkpoint import load_state, step_dir_name
+    >>> step_dir_name(10)
+    'step_10'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module that declares it
+_HOMES = {
+    "atomic_write": "files",
+    "atomic_write_text": "files",
+    "check_model_state": "files",
+    "checkpoint_path": "files",
+    "load_state": "files",
+    "optimizer_path_for": "files",
+    "replace_dir": "files",
+    "save_state": "files",
+    "step_dir_name": "layout",
+    "capture_rng": "rng",
+    "restore_rng": "rng",
+    "RunCheckpointer": "run_state",
+    "find_latest": "step_dirs",
+    "list_checkpoints": "step_dirs",
+    "resolve_checkpoint": "step_dirs",
+    "Trainable": "trainable",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"litegen.checkpoint.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'litegen.checkpoint' has no attribute {name!r}")

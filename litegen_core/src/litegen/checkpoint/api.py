@@ -32,7 +32,8 @@ from litegen.checkpoint.interop import (
     optimizer_file_for,
     write_diffusers_folder,
 )
-from litegen.checkpoint.run_state import Trainable
+from litegen.checkpoint.layout import DCP_METADATA
+from litegen.checkpoint.trainable import Trainable
 from litegen.ema import persistent_buffers
 from litegen.lora import (
     adapter_file_state,
@@ -187,7 +188,7 @@ class CheckpointAPI:
         ema: bool | None = None,
     ) -> None:
         """Load what :meth:`save_model_state` wrote, resharding to this job's layout."""
-        if not Path(path, ".metadata").is_file():
+        if not Path(path, DCP_METADATA).is_file():
             raise FileNotFoundError(
                 f"{path} is not a complete distributed checkpoint (no .metadata file); "
                 "point to a folder written by gen.save_model_state."

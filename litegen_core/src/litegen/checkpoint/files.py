@@ -1,7 +1,10 @@
-"""Single-file checkpoints: names, atomic writes, and loads that say what is wrong.
+"""Single-file checkpoints: names, atomic writes, the torch.save and safetensors formats, and
+loads that say what is wrong.
 
 Every file is written to a temporary name in the target folder, flushed to disk and renamed
 into place, so a crash mid-write never leaves a half-written checkpoint under the real name.
+:func:`load_state` and :func:`save_state` go through the table of formats
+(:mod:`litegen.checkpoint.formats`).
 """
 
 from __future__ import annotations
@@ -14,21 +17,20 @@ import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-Kind = Literal["model", "optimizer", "ema", "lora", "ema_lora"]
-_SUFFIX: dict[str, str] = {
-    "model": ".pth",
-    "optimizer": ".optim_state.pth",
-    "ema": ".ema.pth",
-    # The adapters of a LoRA run (litegen.lora), in place of the model and EMA files.
-    "lora": ".lora.safetensors",
-    "ema_lora": ".ema.lora.safetensors",
-}
+from litegen.checkpoint.formats import (
+    Holding,
+    StateFormat,
+    format_for_name,
+    format_of,
+    weight_suffixes,
+)
+from litegen.checkpoint.layout import KIND_SUFFIXES, Kind
 
 
 def checkpoint_path(
@@ -50,7 +52,7 @@ def checkpoint_path(
     if filename:
         return folder / filename
     prefix = exp_name if step is None else f"{exp_name}_step{step}"
-    return folder / f"{prefix}{_SUFFIX[kind]}"
+    return folder / f"{prefix}{KIND_SUFFIXES[kind]}"
 
 
 def optimizer_path_for(model_path: str | Path) -> Path:
@@ -58,9 +60,9 @@ def optimizer_path_for(model_path: str | Path) -> Path:
     (``model_10.lora.safetensors``, ``.pt`` and ``.bin`` too)."""
     path = Path(model_path)
     stem = path.name
-    for suffix in (".safetensors", ".pth", ".pt", ".bin", ".lora"):
+    for suffix in (*weight_suffixes(), ".lora"):
         stem = stem.removesuffix(suffix)
-    return path.with_name(stem + _SUFFIX["optimizer"])
+    return path.with_name(stem + KIND_SUFFIXES["optimizer"])
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -107,31 +109,81 @@ def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     return final
 
 
-def save_state(
-    state: Mapping[str, Any], path: str | Path, metadata: dict[str, str] | None = None
-) -> Path:
-    """Write a state dict atomically; a ``.safetensors`` name selects the safetensors format,
-    whose header gets ``metadata`` (other formats have no header and ignore it)."""
-    if str(path).endswith(".safetensors"):
+class TorchFile(StateFormat):
+    """``torch.save`` of a dict: LiteGen's ``.pth`` files and plain PyTorch state dicts. The
+    catch-all of the single files: a name of no other format is read and written as this."""
+
+    name = "torch"
+    suffixes: ClassVar[tuple[str, ...]] = (".pth", ".pt", ".bin")
+
+    def read(self, path: Path, what: str) -> dict[str, Any]:
+        return _checked_load(
+            path, what, lambda: torch.load(path, map_location="cpu", weights_only=True)
+        )
+
+    def write(
+        self, state: Mapping[str, Any], path: Path, metadata: dict[str, str] | None = None
+    ) -> Path:
+        return atomic_write(path, lambda tmp: torch.save(dict(state), tmp))
+
+
+class SafetensorsFile(StateFormat):
+    """A ``.safetensors`` file; ``metadata`` goes into its header."""
+
+    name = "safetensors"
+    suffixes: ClassVar[tuple[str, ...]] = (".safetensors",)
+
+    def read(self, path: Path, what: str) -> dict[str, Any]:
+        return _checked_load(path, what, lambda: load_file(str(path), device="cpu"))
+
+    def write(
+        self, state: Mapping[str, Any], path: Path, metadata: dict[str, str] | None = None
+    ) -> Path:
         # safetensors refuses shared or non-contiguous storage; checkpoints are small enough
         # on the CPU to copy once.
         tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
         return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    return atomic_write(path, lambda tmp: torch.save(dict(state), tmp))
 
 
-def load_state(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
-    """Read a state dict written by :func:`save_state` (or plain ``torch.save``) onto the CPU."""
-    path = Path(path)
+def save_state(
+    state: Mapping[str, Any], path: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write a state dict atomically; a ``.safetensors`` name selects the safetensors format,
+    whose header gets ``metadata`` (other formats have no header and ignore it).
+
+    Example:
+        >>> save_state({"w": torch.ones(2)}, "ckpt/dit.safetensors", {"format": "pt"})
+        PosixPath('ckpt/dit.safetensors')
+    """
+    return format_for_name(path).write(state, Path(path), metadata)
+
+
+def load_state(
+    path: str | Path, *, what: str = "checkpoint", holding: Holding = None
+) -> dict[str, Any]:
+    """Read a state dict onto the CPU, in whichever format that may hold ``holding`` it is
+    (``"model"``, ``"optimizer"``; by default the single files :func:`save_state` or plain
+    ``torch.save`` write).
+
+    ``what`` names the state in errors (``init_from``, ``optimizer``).
+
+    Example:
+        >>> _ = save_state({"pos_embed": torch.zeros(2)}, "results/dit/dit.pth")
+        >>> load_state("results/dit/dit.pth", what="init_from")
+        {'pos_embed': tensor([0., 0.])}
+    """
+    return format_of(path, holding).read(Path(path), what)
+
+
+def _checked_load(path: Path, what: str, load: Callable[[], Any]) -> dict[str, Any]:
+    """``load()`` of a single file, its failures turned into errors that name the file."""
     if not path.is_file():
         raise FileNotFoundError(
             f"{what} file not found: {path}. Check the path (relative paths are resolved "
             f"from {Path.cwd()})."
         )
     try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path), device="cpu")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load()
     except (
         SafetensorError,
         RuntimeError,

@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from litegen.checkpoint.files import load_state, optimizer_path_for
+from litegen.checkpoint.formats import StateFormat
 
 # diffusers' weight file names (diffusers.utils.constants), without importing diffusers.
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
@@ -89,15 +90,17 @@ def load_diffusers_weights(folder: str | Path, *, what: str = "checkpoint") -> d
     )
 
 
-def load_model_source(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
-    """Model weights from a file (LiteGen's or a plain state dict) or a diffusers folder.
+class DiffusersFolder(StateFormat):
+    """A model folder written by diffusers' ``save_pretrained``. It claims every folder, so a
+    folder of another kind is refused with what a diffusers folder holds."""
 
-    Example::
+    name = "diffusers"
+    holds: ClassVar[tuple[str, ...]] = ("model",)
 
-        state = load_model_source(config.init_from, what="init_from")
-    """
-    path = Path(path)
-    if path.is_dir():
+    def recognizes(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def read(self, path: Path, what: str) -> dict[str, Any]:
         if is_diffusers_folder(path):
             return load_diffusers_weights(path, what=what)
         raise ValueError(
@@ -105,7 +108,16 @@ def load_model_source(path: str | Path, *, what: str = "checkpoint") -> dict[str
             f"{WEIGHTS[0]} or sharded *.safetensors and their index); point to a weights file "
             "or a save_pretrained folder (a pipeline's transformer/ subfolder)."
         )
-    return load_state(path, what=what)
+
+
+def load_model_source(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
+    """Model weights from a file (LiteGen's or a plain state dict) or a diffusers folder.
+
+    Example::
+
+        state = load_model_source(config.init_from, what="init_from")
+    """
+    return load_state(path, what=what, holding="model")
 
 
 def optimizer_file_for(model_path: str | Path) -> Path:

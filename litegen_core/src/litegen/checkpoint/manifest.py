@@ -5,16 +5,18 @@ complete checkpoint always has one. Sizes are cheap to check (``litegen resume``
 any rank starts); digests need every byte read once, which the ranks share when they load.
 Checkpoints written before manifests existed have none: they load with a warning.
 
+:func:`read_manifest` is the one reader of LiteGen's JSON manifests: this one, and the one of
+ZeRO's sharded optimizer files (:class:`litegen.checkpoint.zero_state.ZeroShards`).
+
 Example:
-    >>> from pathlib import Path
     >>> Path("step_5").mkdir()
     >>> _ = Path("step_5/config.yaml").write_text("seed: 0\\n")
     >>> write_manifest(Path("step_5"))
     PosixPath('step_5/MANIFEST.json')
-    >>> size_problems(Path("step_5"), read_manifest(Path("step_5")))
+    >>> size_problems(Path("step_5"), manifest_files(Path("step_5")))
     []
     >>> _ = Path("step_5/config.yaml").write_text("seed: 10\\n")
-    >>> size_problems(Path("step_5"), read_manifest(Path("step_5")))
+    >>> size_problems(Path("step_5"), manifest_files(Path("step_5")))
     ['step_5/config.yaml has 9 bytes, the manifest says 8']
 """
 
@@ -24,15 +26,16 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "MANIFEST.json"
+from litegen.checkpoint.layout import COMPLETE, MANIFEST
+
 FORMAT = "litegen.run_checkpoint.manifest"
 ALGORITHM = "blake2b-256"
 # Files that are not part of the manifest: itself, and the marker written after it.
-_NOT_LISTED = {MANIFEST, "COMPLETE"}
+_NOT_LISTED = {MANIFEST, COMPLETE}
 
 
 def file_digest(path: Path) -> str:
@@ -76,23 +79,55 @@ def write_manifest(folder: Path) -> Path:
     return folder / MANIFEST
 
 
-def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
-    """``{relative path: {"size", "digest"}}`` of a checkpoint folder; None when it has no
-    manifest. Raises ValueError naming the file when the manifest itself is damaged."""
-    path = folder / MANIFEST
+def is_json(path: Path) -> bool:
+    """True when ``path`` is a file that starts like JSON: a manifest, not a state file (those
+    are zip, pickle or safetensors files, never JSON)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(1) == b"{"
+
+
+def read_manifest(path: Path, tags: Mapping[str, str]) -> dict[str, Any] | None:
+    """The JSON manifest at ``path`` whose ``tags`` (``"format"`` and the like) have the given
+    values; None when there is no file.
+
+    Raises ValueError saying what is wrong (``Type: detail``) when the file is not such a
+    manifest; callers add which checkpoint it belongs to.
+
+    Example::
+
+        read_manifest(Path("ckpt/step_500/MANIFEST.json"), {"format": FORMAT})
+    """
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        files = data["files"]
-        if data.get("format") != FORMAT or data.get("algorithm") != ALGORITHM:
-            raise ValueError(f"format {data.get('format')!r}, algorithm {data.get('algorithm')!r}")
-        for entry in files.values():
-            int(entry["size"]), str(entry["digest"])
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
+        if not isinstance(data, dict) or any(data.get(k) != v for k, v in tags.items()):
+            found = data if isinstance(data, dict) else {}
+            raise ValueError(", ".join(f"{key} {found.get(key)!r}" for key in tags))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{type(err).__name__}: {err}") from None
+    return data
+
+
+def manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """``{relative path: {"size", "digest"}}`` of a checkpoint folder; None when it has no
+    manifest. Raises ValueError naming the file when the manifest itself is damaged."""
+    path = folder / MANIFEST
+    try:
+        data = read_manifest(path, {"format": FORMAT, "algorithm": ALGORITHM})
+        if data is None:
+            return None
+        try:
+            files = data["files"]
+            for entry in files.values():
+                int(entry["size"]), str(entry["digest"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{type(err).__name__}: {err}") from None
+    except ValueError as err:
         raise ValueError(
-            f"run checkpoint {folder} is corrupt: {path} cannot be read ({type(err).__name__}: "
-            f"{err})."
+            f"run checkpoint {folder} is corrupt: {path} cannot be read ({err})."
         ) from None
     return files
 

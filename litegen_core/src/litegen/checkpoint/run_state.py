@@ -1,16 +1,5 @@
-"""Run checkpoints: one folder per saved step, holding everything a run needs to continue exactly.
-
-Layout of ``<checkpoint_dir>``::
-
-    step_<N>/
-        model_<i>/            DCP folder of trainable model i: weights, optimizer, EMA (reshards)
-        trainer/rank_<r>.pt   step, sampler cursor, LR schedulers, RNG states of rank r
-        config.yaml           the resolved config of the run
-        launch.yaml           how `litegen launch` started it (entry, ranks), when known
-        MANIFEST.json         size and BLAKE2b digest of every file above (checkpoint/manifest.py)
-        COMPLETE              written last: a folder without it is never loaded
-    latest                    name of the newest complete step folder, updated after the rename
-    .step_<N>.tmp-<id>/       a save in progress, or one killed midway: never read, removed later
+"""Writing run checkpoints: one folder per saved step, holding everything a run needs to continue
+exactly (the layout: :mod:`litegen.checkpoint.layout`; loading: :mod:`litegen.checkpoint.run_load`).
 
 A save writes into the temporary folder; once every rank's files are written, rank 0 hashes
 them into the manifest, marks the folder complete, renames it into place, moves the ``latest``
@@ -23,136 +12,47 @@ against the manifest first (sizes, then digests, each rank hashing a share of th
 from __future__ import annotations
 
 import contextlib
-import logging
-import pickle
 import shutil
-import uuid
-import zipfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from litegen.checkpoint.files import (
-    atomic_write,
-    atomic_write_text,
-    check_model_state,
-    replace_dir,
-)
-from litegen.checkpoint.manifest import (
-    digest_problems,
-    read_manifest,
-    share_of,
-    summarize,
-    write_manifest,
-)
-from litegen.checkpoint.publisher import Publisher, default_store
-from litegen.checkpoint.rng import capture_rng, restore_rng
-from litegen.checkpoint.save_checks import check_finite, write_failure
-from litegen.checkpoint.step_dirs import (
+from litegen.checkpoint.files import atomic_write, atomic_write_text, replace_dir
+from litegen.checkpoint.layout import (
     COMPLETE,
     LATEST,
     LEFTOVER,
-    find_latest,
-    list_checkpoints,
-    read_config_text,
-    read_metadata,
-    resolve_checkpoint,
+    TRAINER_DIR,
+    model_dir_name,
+    rank_file,
     step_dir_name,
+    temporary_step_dir_name,
 )
-
-# Finding and checking step folders lives in step_dirs, RNG states in rng; their names stay
-# importable from here.
-__all__ = [
-    "COMPLETE",
-    "LATEST",
-    "RunCheckpointer",
-    "Trainable",
-    "capture_rng",
-    "find_latest",
-    "list_checkpoints",
-    "read_config_text",
-    "read_metadata",
-    "resolve_checkpoint",
-    "restore_rng",
-    "step_dir_name",
-]
-
-log = logging.getLogger("litegen")
+from litegen.checkpoint.manifest import write_manifest
+from litegen.checkpoint.publisher import Publisher, default_store
+from litegen.checkpoint.run_load import load_run_checkpoint
+from litegen.checkpoint.save_checks import check_finite, write_failure
+from litegen.checkpoint.step_dirs import find_latest, list_checkpoints
+from litegen.checkpoint.trainable import Trainable
 
 
-# -- what is saved ------------------------------------------------------------------------------
-@dataclass
-class Trainable:
-    """One trainable model as checkpoints see it: its strategy's sharded state, the optimizer's,
-    and the EMA's when it goes with this model.
-
-    ``strategy`` is the model's :class:`litegen.parallel.base.Strategy` (its ``dcp_state`` and
-    ``load_dcp_state``); ``ema`` an EMA with ``dcp_state``/``load_dcp_state``, or None.
-
-    Example::
-
-        Trainable(model, optimizer, strategy, ema=None).dcp_state().keys()
-    """
-
-    module: Any
-    optimizer: Any
-    strategy: Any
-    ema: Any = None
-
-    def dcp_state(self) -> dict[str, Any]:
-        """The state ``torch.distributed.checkpoint`` saves, and loads in place."""
-        state = self.strategy.dcp_state(self.module, self.optimizer)
-        if self.ema is not None:
-            state["ema"] = self.ema.dcp_state()
-        return state
-
-    def load_dcp_state(self, state: dict[str, Any]) -> None:
-        """Apply a state :meth:`dcp_state` returned and ``dcp.load`` filled."""
-        self.strategy.load_dcp_state(self.module, self.optimizer, state)
-        if self.ema is not None:
-            self.ema.load_dcp_state(state["ema"])
-
-    def load(self, checkpoint_id: str | Path) -> None:
-        """Load the DCP folder ``checkpoint_id`` into the model (optimizer, EMA) in place.
-
-        Example::
-
-            Trainable(model, optimizer, strategy).load("ckpt/step_100/model_0")
-        """
-        import torch.distributed.checkpoint as dcp
-
-        state = self.dcp_state()
-        # FSDP1 chunks each parameter on dim 0, so a rank past that dim's size (Wan's
-        # (1, 6, dim) scale_shift_table on rank 1) holds a ShardedTensor with no local shard.
-        # DCP's default planner drops those while flattening nested ShardedTensors, then reads
-        # the checkpoint keys it no longer sees as a pre-2.4 layout and asks for keys never
-        # written. LiteGen never nests ShardedTensors (that is FSDP1 with tensor parallelism),
-        # so the flattening is off.
-        planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
-        dcp.load(state, checkpoint_id=str(checkpoint_id), planner=planner)
-        self.load_dcp_state(state)
-
-    def model_shapes(self) -> dict[str, Any]:
-        """The model's tensors at their global shapes (to check a checkpoint against)."""
-        return self.strategy.dcp_state(self.module)["model"]
-
-
-# -- save --------------------------------------------------------------------------------------
 class RunCheckpointer:
     """Writes and reads the run checkpoints of one prepared job. Call every method on every rank.
 
     ``trainables`` returns what to save (``LiteGen.trainables``); it is called at each save and
     load, so models prepared later are included.
 
+    Once ``wait`` returns, ``step_1000`` below is complete and ``latest`` (the next save waits
+    too).
+
     Example::
 
         ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
-        ckpt.save(1000, {"step": 1000, ...}, extra_files={"config.yaml": config.to_yaml()})
-        ckpt.wait()  # step_1000 is complete and `latest` (the next save waits too)
+        ckpt.save(1000, {"step": 1000}, {"config.yaml": config.to_yaml()})
+        ckpt.wait()
     """
 
     def __init__(
@@ -213,19 +113,19 @@ class RunCheckpointer:
         name = [None]
         if rank == 0:
             self._remove_leftovers()
-            name[0] = f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
-            (self.root / name[0] / "trainer").mkdir(parents=True)
+            name[0] = temporary_step_dir_name(step)
+            (self.root / name[0] / TRAINER_DIR).mkdir(parents=True)
             for filename, text in extra_files.items():
                 atomic_write_text(self.root / name[0] / filename, text)
         dist.broadcast_object_list(name, src=0)  # also: the folder exists before anyone writes
         tmp = self.root / name[0]
-        atomic_write(tmp / "trainer" / f"rank_{rank}.pt", lambda p: torch.save(rank_state, p))
+        atomic_write(tmp / rank_file(rank), lambda p: torch.save(rank_state, p))
         import torch.distributed.checkpoint as dcp
 
         futures = []
         for i, state in enumerate(states):
             # Plain DCP writes: tmp is already the temporary folder wait() renames into place.
-            model_dir = str(tmp / f"model_{i}")
+            model_dir = str(tmp / model_dir_name(i))
             if self.async_save:
                 # async_save copies the state to CPU memory before returning, so the loop may
                 # change the weights while the copy is written.
@@ -328,83 +228,15 @@ class RunCheckpointer:
             (path / COMPLETE).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
 
-    # -- load ----------------------------------------------------------------------------------
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Validate ``path``, load weights/optimizer/EMA in place, return this rank's state.
+        """Validate ``path``, load weights/optimizer/EMA in place, return this rank's state
+        (:func:`litegen.checkpoint.run_load.load_run_checkpoint`).
 
-        Shapes are checked against DCP's metadata before anything is loaded, so a mismatching
-        model raises a ValueError naming the checkpoint and every differing tensor.
+        Example::
+
+            state = ckpt.load("results/dit/step_1000")
         """
-        path = resolve_checkpoint(path)
-        self._verify_digests(path)
-        targets = self.trainables()
-        saved = len(list(path.glob("model_*")))
-        if saved != len(targets):
-            raise ValueError(
-                f"run checkpoint {path} holds {saved} trainable model(s), this run prepares "
-                f"{len(targets)}; resume with the entry module that wrote it."
-            )
-        for i, target in enumerate(targets):
-            self._check(path / f"model_{i}", target)
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        for i, target in enumerate(targets):
-            try:
-                target.load(path / f"model_{i}")
-            # DCP gathers every rank's read error into a CheckpointException, a BaseException.
-            except (Exception, CheckpointException) as err:
-                raise ValueError(
-                    f"run checkpoint {path} is corrupt: loading {path / f'model_{i}'} failed "
-                    f"({_one_line(err)})."
-                ) from err
-        saved_ranks = len(list((path / "trainer").glob("rank_*.pt")))
-        # At another world size rank r takes rank r % saved's state (see docs/resume.md).
-        rank_file = path / "trainer" / f"rank_{dist.get_rank() % max(saved_ranks, 1)}.pt"
-        try:
-            return torch.load(rank_file, map_location="cpu", weights_only=True)
-        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as err:
-            raise ValueError(
-                f"run checkpoint {path} is corrupt: {rank_file} cannot be read "
-                f"({type(err).__name__}: {err})."
-            ) from err
-
-    def _verify_digests(self, path: Path) -> None:
-        """Every rank hashes its share of the files; any mismatch raises on every rank."""
-        manifest = read_manifest(path)
-        if manifest is None:
-            if dist.get_rank() == 0:
-                log.warning(
-                    "run checkpoint %s has no MANIFEST.json (it was written by an older "
-                    "LiteGen), so its files cannot be verified; loading it as it is.",
-                    path,
-                )
-            return
-        mine = share_of(manifest, dist.get_rank(), dist.get_world_size())
-        found: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, digest_problems(path, manifest, mine))
-        problems = [line for part in found for line in part or []]
-        if problems:
-            raise ValueError(
-                f"run checkpoint {path} is corrupt: {summarize(problems)}. Resume from another "
-                "step_<N> folder."
-            )
-
-    def _check(self, model_dir: Path, target: Trainable) -> None:
-        metadata = read_metadata(model_dir).state_dict_metadata
-        expected = target.model_shapes()
-        saved = {
-            key.removeprefix("model."): torch.empty(tuple(meta.size), device="meta")
-            for key, meta in metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")
-        }
-        check_model_state(expected, saved, model_dir.parent)
-        if target.optimizer is not None and not any(k.startswith("optimizer.") for k in metadata):
-            raise ValueError(f"run checkpoint {model_dir.parent} has no optimizer state.")
-        if target.ema is not None and not any(k.startswith("ema.") for k in metadata):
-            raise ValueError(
-                f"run checkpoint {model_dir.parent} has no EMA state but ema.enable is true; "
-                "resume with ema.enable=false or from a run that kept an EMA."
-            )
+        return load_run_checkpoint(path, self.trainables)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -413,13 +245,3 @@ def _publish(tmp: Path, final: Path) -> None:
     write_manifest(tmp)
     atomic_write_text(tmp / COMPLETE, "ok\n")
     replace_dir(tmp, final)
-
-
-def _one_line(err: BaseException) -> str:
-    """``Type: first line`` of an error; for DCP's CheckpointException, of the first rank's."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, cause = min(failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {_one_line(cause)}"
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"

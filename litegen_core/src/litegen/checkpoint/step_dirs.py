@@ -1,30 +1,29 @@
 """Run checkpoint folders on disk: their names, the newest complete one, and the checks made
 before one is loaded (markers, required files, the manifest's sizes, DCP's metadata).
 
-The layout is described in :mod:`litegen.checkpoint.run_state`, which writes the folders.
+The names and the layout are declared in :mod:`litegen.checkpoint.layout`. Torch-free at import
+(reading DCP's metadata imports torch then).
 """
 
 from __future__ import annotations
 
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from litegen.checkpoint.manifest import read_manifest, size_problems, summarize
-
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-LEFTOVER = re.compile(r"^\.step_\d+\.(tmp|old)-")
-
-
-def step_dir_name(step: int) -> str:
-    """Folder name of the checkpoint taken after ``step`` optimizer steps: ``step_dir_name(10)``
-    -> ``'step_10'``."""
-    return f"step_{step}"
+from litegen.checkpoint.layout import (
+    COMPLETE,
+    CONFIG,
+    DCP_METADATA,
+    LATEST,
+    MODEL_DIR_GLOB,
+    REQUIRED_FILES,
+    TRAINER_DIR,
+    step_of,
+)
+from litegen.checkpoint.manifest import manifest_files, size_problems, summarize
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -42,17 +41,10 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
+        step = step_of(child)
+        if step is not None and (child / COMPLETE).is_file():
+            found.append((step, child))
     return sorted(found)
-
-
-def step_of(step_dir: str | Path) -> int | None:
-    """The step a ``step_<N>`` folder holds (None for any other name): ``step_of("step_20")``
-    -> ``20``."""
-    match = _STEP_DIR.match(Path(step_dir).name)
-    return int(match.group(1)) if match else None
 
 
 def newer_checkpoints(root: str | Path, step: int) -> list[Path]:
@@ -102,7 +94,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         )
     if not path.is_dir():
         raise ValueError(f"run checkpoint {path} is a file; pass a step_<N> folder instead.")
-    if not (path / COMPLETE).is_file() and not (path / "trainer").is_dir():
+    if not (path / COMPLETE).is_file() and not (path / TRAINER_DIR).is_dir():
         latest = find_latest(path)
         if latest is None:
             raise FileNotFoundError(
@@ -115,10 +107,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"run checkpoint {path} is partial: it has no {COMPLETE} marker (the save was "
             "interrupted). Resume from an earlier step_<N> folder or the checkpoint_dir's latest."
         )
-    for required in ("config.yaml", "trainer/rank_0.pt", "model_0/.metadata"):
+    for required in REQUIRED_FILES:
         if not (path / required).is_file():
             raise ValueError(f"run checkpoint {path} is corrupt: {required} is missing.")
-    manifest = read_manifest(path)
+    manifest = manifest_files(path)
     if manifest is not None:
         problems = size_problems(path, manifest)
         if problems:
@@ -126,7 +118,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 f"run checkpoint {path} is corrupt: {summarize(problems)}. Resume from another "
                 "step_<N> folder."
             )
-    for model_dir in sorted(path.glob("model_*")):
+    for model_dir in sorted(path.glob(MODEL_DIR_GLOB)):
         read_metadata(model_dir)  # raises on a truncated or foreign file
     return path
 
@@ -139,14 +131,12 @@ def read_metadata(model_dir: Path) -> Any:
         return FileSystemReader(str(model_dir)).read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as err:
         raise ValueError(
-            f"run checkpoint {model_dir.parent} is corrupt: {model_dir / '.metadata'} cannot be "
+            f"run checkpoint {model_dir.parent} is corrupt: {model_dir / DCP_METADATA} cannot be "
             f"read ({type(err).__name__}: {err})."
         ) from err
 
 
-def read_config_text(
-    path: Path, name: str = "config.yaml", *, optional: bool = False
-) -> dict[str, Any]:
+def read_config_text(path: Path, name: str = CONFIG, *, optional: bool = False) -> dict[str, Any]:
     """A YAML mapping a checkpoint folder holds (by default the config it was saved with).
 
     ``optional``: a missing or empty file reads as ``{}`` instead of raising.

@@ -5,8 +5,8 @@ of one flattened parameter (named by FQN), with the per-element state tensors of
 (``flat``) and the per-parameter values (``scalar``, such as ``step``). Pieces do not depend
 on the bucket layout or the world size, so any set of them that covers the parameters can be
 turned into the full state (keyed by FQN, like ``get_optimizer_state_dict(full_state_dict=
-True)``) and cut again for another layout. The sharded file format is one ``torch.save`` file of
-pieces per rank plus a small JSON manifest at the requested path.
+True)``) and cut again for another layout. The sharded file format (:class:`ZeroShards`) is one
+``torch.save`` file of pieces per rank plus a small JSON manifest at the requested path.
 
 Example::
 
@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from litegen.checkpoint.files import atomic_write_text, load_state, save_state
+from litegen.checkpoint.formats import StateFormat
+from litegen.checkpoint.manifest import is_json, read_manifest
 
 MANIFEST_FORMAT = "litegen.zero.sharded_optimizer"
 Piece = dict[str, Any]
@@ -130,40 +132,44 @@ def save_sharded(
     return path
 
 
-def read_manifest(path: Path) -> dict | None:
-    """The manifest at ``path``, or None when ``path`` is an ordinary state file."""
-    if not path.is_file():
-        return None
-    with open(path, "rb") as handle:
-        if handle.read(1) != b"{":  # torch.save files are zip or pickle, never JSON
-            return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path} is JSON but not a LiteGen sharded optimizer manifest.")
-    return manifest
+class ZeroShards(StateFormat):
+    """ZeRO's sharded optimizer state: a JSON manifest at the path, one shard file per rank
+    beside it (saved at any world size). Written by :func:`save_sharded`, a collective."""
+
+    name = "zero_sharded"
+    holds: ClassVar[tuple[str, ...]] = ("optimizer",)
+    manifest_tag = MANIFEST_FORMAT
+
+    def recognizes(self, path: Path) -> bool:
+        return is_json(path)
+
+    def read(self, path: Path, what: str) -> dict[str, Any]:
+        """Every rank reads the shards and assembles the whole state on the CPU, then keeps
+        what its own layout needs; this is what makes a 4-rank save load into 2 ranks."""
+        try:
+            manifest = read_manifest(path, {"format": self.manifest_tag})
+        except ValueError:
+            raise ValueError(
+                f"{path} is JSON but not a LiteGen sharded optimizer manifest."
+            ) from None
+        pieces: list[Piece] = []
+        for name in manifest["shards"]:
+            shard_path = path.with_name(name)
+            if not shard_path.is_file():
+                raise FileNotFoundError(
+                    f"optimizer shard {shard_path} named by the manifest {path} is missing; copy "
+                    f"all {manifest['world_size']} shard files next to the manifest."
+                )
+            pieces.extend(load_state(shard_path, what=f"{what} shard")["pieces"])
+        state = full_from_pieces(pieces, manifest["shapes"])
+        return full_state(state, manifest["param_groups"])
 
 
 def load_optimizer_state(path: Path) -> dict[str, Any]:
     """The full optimizer state from a manifest + shards (any world size) or one full file.
 
-    Every rank reads the shards and assembles the whole state on the CPU, then keeps what
-    its own layout needs; this is what makes a 4-rank save load into 2 ranks.
-
     Example::
 
         state = load_optimizer_state(Path("ckpt/dit.optim_state.pth"))
     """
-    manifest = read_manifest(Path(path))
-    if manifest is None:
-        return load_state(path, what="optimizer")
-    pieces: list[Piece] = []
-    for name in manifest["shards"]:
-        shard_path = Path(path).with_name(name)
-        if not shard_path.is_file():
-            raise FileNotFoundError(
-                f"optimizer shard {shard_path} named by the manifest {path} is missing; copy "
-                f"all {manifest['world_size']} shard files next to the manifest."
-            )
-        pieces.extend(load_state(shard_path, what="optimizer shard")["pieces"])
-    state = full_from_pieces(pieces, manifest["shapes"])
-    return full_state(state, manifest["param_groups"])
+    return load_state(path, what="optimizer", holding="optimizer")

@@ -6,15 +6,19 @@
     config.optimization.parallel.strategy          # "ddp"
 
 ``MainConfig`` lives in :mod:`litegen.config.main`, the ``Config``/``Section`` bases and the
-error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.config.sections` (runtime, optimization) and
-:mod:`litegen.config.training` (EMA, trainer).
+error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.config.sections`
+(runtime, parallelism, precision, ...), :mod:`litegen.config.memory` (memory savers),
+:mod:`litegen.config.optimization` (the optimization section and its profiles) and
+:mod:`litegen.config.training` (EMA, trainer); the table of parallel strategies is
+:mod:`litegen.config.strategies`.
 The spec's import path, ``litegen.utils.config``, re-exports this package.
 """
 
 from litegen.config.base import Config, ConfigError, Section
 from litegen.config.main import MainConfig, YamlLoader
+from litegen.config.memory import ActivationCheckpointConfig, MemoryConfig
+from litegen.config.optimization import OptimizationConfig, OptimizationProfile
 from litegen.config.sections import (
-    ActivationCheckpointConfig,
     CompileConfig,
     DistributedConfig,
     Dtype,
@@ -23,9 +27,6 @@ from litegen.config.sections import (
     FSDP2MixedConfig,
     KernelsConfig,
     LoRAConfig,
-    MemoryConfig,
-    OptimizationConfig,
-    OptimizationProfile,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,

@@ -3,8 +3,8 @@
 - A top-level key that LiteGen does not define is kept as the user's own field, unless it is a
   near miss of a defined one (``max_step`` for ``max_steps``): that is an error, since the run
   would otherwise silently use the default.
-- An option that only some strategies read (``litegen.parallel.STRATEGY_OPTIONS``), set away
-  from its default while the chosen strategy ignores it, is a warning naming both.
+- An option that only some strategies read (``litegen.config.strategies.STRATEGY_OPTIONS``),
+  set away from its default while the chosen strategy ignores it, is a warning naming both.
 - ``activation_checkpoint.enabled: true`` with ``selective_ratio: 1.0`` (the default, meaning
   no block) is a warning naming the field and the fix.
 - Two settings that do not work together (:data:`UNSUPPORTED`, the one table of such rules)
@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from litegen.parallel import STRATEGY_OPTIONS
+from litegen.config.strategies import FSDP2_OPTIONS, STRATEGIES, STRATEGY_OPTIONS, names_where
 
 
 class IgnoredOptionWarning(UserWarning):
@@ -224,12 +224,21 @@ def _ac(opt: Any) -> Any:
     return opt.memory.activation_checkpoint
 
 
+def _row(opt: Any) -> Any:
+    return STRATEGIES[opt.parallel.strategy]
+
+
+_FSDP2_READERS = " or ".join(STRATEGY_OPTIONS[FSDP2_OPTIONS])
+_REPLICATED = " or ".join(names_where(lambda row: not row.shards))  # whole weights everywhere
+
+
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(
         ("optimization.parallel.sp_size", "optimization.parallel.strategy"),
-        lambda cfg, opt: opt.parallel.sp_size > 1 and opt.parallel.strategy == "fsdp1",
-        "fsdp1 has no sequence-parallel layout; use strategy fsdp2 (or ddp, zero1, zero2, "
-        "hsdp), or sp_size: 1",
+        lambda cfg, opt: opt.parallel.sp_size > 1 and not _row(opt).sequence_parallel,
+        f"{' and '.join(names_where(lambda row: not row.sequence_parallel))} has no "
+        "sequence-parallel layout; use one of the strategies that have one "
+        f"({', '.join(names_where(lambda row: row.sequence_parallel))}), or sp_size: 1",
     ),
     Unsupported(
         ("optimization.memory.activation_checkpoint.policy", "optimization.compile.enabled"),
@@ -259,10 +268,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     ),
     Unsupported(
         ("optimization.memory.block_swap", "optimization.parallel.strategy"),
-        lambda cfg, opt: opt.memory.block_swap is not None and opt.parallel.strategy != "ddp",
+        lambda cfg, opt: opt.memory.block_swap is not None and bool(_row(opt).shards),
         "block swap moves whole frozen weights, which the sharding strategies split and manage "
-        "themselves; use strategy ddp (one rank or more), or parallel.fsdp2.cpu_offload: true "
-        "under fsdp2",
+        f"themselves; use strategy {_REPLICATED} (one rank or more), or "
+        f"parallel.fsdp2.cpu_offload: true under {_FSDP2_READERS}",
     ),
     Unsupported(
         ("optimization.memory.block_swap", "optimization.memory.activation_offload"),
@@ -279,19 +288,17 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(
         ("optimization.lora.fp8_base", "optimization.parallel.strategy"),
         lambda cfg, opt: (
-            opt.lora is not None
-            and opt.lora.fp8_base is not None
-            and opt.parallel.strategy != "ddp"
+            opt.lora is not None and opt.lora.fp8_base is not None and bool(_row(opt).shards)
         ),
         "fp8_base replaces whole frozen Linear weights, which the sharding strategies split and "
-        "manage themselves; use strategy ddp (one rank or more), or fp8_base: null",
+        f"manage themselves; use strategy {_REPLICATED} (one rank or more), or fp8_base: null",
     ),
     Unsupported(
         ("optimization.parallel.fsdp2.cpu_offload", "optimization.optimizer.backend"),
         lambda cfg, opt: (
             opt.parallel.fsdp2.cpu_offload
             and opt.optimizer.backend == "fused"
-            and opt.parallel.strategy in ("fsdp2", "hsdp")
+            and FSDP2_OPTIONS in _row(opt).options
         ),
         "with cpu_offload the optimizer steps parameters in host memory, and the fused backend "
         "needs them on CUDA; set optimizer.backend: foreach, or cpu_offload: false",

@@ -30,11 +30,8 @@ from litegen.config.checks import (
     ignored_options,
     typo_problems,
 )
-from litegen.config.sections import (
-    OptimizationConfig,
-    RuntimeConfig,
-    value_at,
-)
+from litegen.config.optimization import OptimizationConfig, value_at
+from litegen.config.sections import PRECISION_PRESETS, RuntimeConfig
 from litegen.config.training import EMAConfig, TrainerConfig
 
 
@@ -92,17 +89,17 @@ class MainConfig(Config):
 
     @model_validator(mode="before")
     @classmethod
-    def _precision_preset_autocast(cls, data: Any) -> Any:
-        # The rest of a preset lives in the optimization section; autocast is the trainer's.
+    def _precision_preset_trainer(cls, data: Any) -> Any:
+        # The optimization section expands the rest of a preset; its trainer fields land here.
         preset = value_at(data, "optimization", "precision", "preset")
-        if preset == "bf16-mixed" and value_at(data, "trainer", "autocast") is None:
-            data = dict(data)
-            trainer = data.get("trainer")
-            data["trainer"] = {
-                **(trainer if isinstance(trainer, Mapping) else {}),
-                "autocast": "bf16",
-            }
-        return data
+        if preset not in PRECISION_PRESETS:
+            return data
+        trainer = value_at(data, "trainer")
+        trainer = dict(trainer) if isinstance(trainer, Mapping) else {}
+        for key, value in PRECISION_PRESETS[preset]["trainer"].items():
+            if trainer.get(key) is None:
+                trainer[key] = value
+        return {**data, "trainer": trainer}
 
     @field_validator("auto_resume")
     @classmethod

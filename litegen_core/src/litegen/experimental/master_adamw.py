@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements per program, and warps per program (scripts/bench_master_adamw.py sweeps both).
+# Elements per program, and warps per program (scripts/lab/bench_master_adamw.py sweeps both).
 _BLOCK, _NUM_WARPS = 2048, 4
 _ALIGNMENT_BYTES = 16  # what the kernel tells Triton of every address, so its loads vectorize
 

@@ -8,7 +8,7 @@ normalise. DiT-XL's hidden size, 1152, and Wan 1.3B's, 1536, sit past the limit.
 Forward rows made persistent here also get a fixed launch config, one row a program and a warp
 for every 1024 elements (:func:`row_launch_config`), instead of inductor's autotuning, whose
 coordinate-descent search stopped at different configs from one machine start to the next; the
-fixed config measured fastest of a grid (``scripts/sweep_row_kernels.py``, benchmarks/). Torch
+fixed config measured fastest of a grid (``scripts/lab/sweep_row_kernels.py``, benchmarks/). Torch
 2.11 cannot generate every kernel with one row a program, so there the config has two
 (:data:`ROWS_PER_PROGRAM`).
 

@@ -16,21 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from litegen.config.training import WandbConfig
+from litegen.loggers.conventions import scalar_tag
 
 # The package each logger imports, and the extra that installs it.
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-# Record keys whose logger tag is not ``train/<key>``: the validation loss is its own section,
-# so dashboards plot it beside, not among, the training scalars.
-_TAGS = {"val_loss": "val/loss"}
-
-
-def scalar_tag(key: str) -> str:
-    """The TensorBoard and W&B tag of a ``metrics.jsonl`` key.
-
-    >>> scalar_tag("loss"), scalar_tag("val_loss")
-    ('train/loss', 'val/loss')
-    """
-    return _TAGS.get(key, f"train/{key}")
 
 
 class Sink(Protocol):

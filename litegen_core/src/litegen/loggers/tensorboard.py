@@ -15,7 +15,25 @@ from PIL import Image
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
-from litegen.loggers import scalar_tag
+from litegen.loggers.conventions import GIF_FRAME_MS, scalar_tag
+
+
+def gif_bytes(path: Path) -> bytes:
+    """An MP4 sample re-encoded as an animated GIF in memory, for TensorBoard's image tab (which
+    plays GIFs, not MP4s).
+
+    Example::
+
+        gif_bytes(Path("results/wan/samples/step_100/samples.mp4"))[:6]
+    """
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [frame.to_image() for frame in container.decode(video=0)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:],
+                   duration=GIF_FRAME_MS, loop=0)  # fmt: skip
+    return buffer.getvalue()
 
 
 class TensorBoardSink:
@@ -31,8 +49,6 @@ class TensorBoardSink:
             self.writer.add_scalar(scalar_tag(key), value, step)
 
     def media(self, step: int, files: list[Path]) -> None:
-        from litegen.trainer.media import gif_bytes  # the trainer package imports the loggers
-
         for path in files:
             encoded = gif_bytes(path) if path.suffix.lower() == ".mp4" else path.read_bytes()
             with Image.open(io.BytesIO(encoded)) as picture:

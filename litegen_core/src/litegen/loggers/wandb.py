@@ -12,7 +12,7 @@ from typing import Any
 import wandb
 
 from litegen.config.training import WandbConfig
-from litegen.loggers import scalar_tag
+from litegen.loggers.conventions import scalar_tag
 
 
 class WandbSink:

@@ -136,7 +136,7 @@ def apply_memory_optimizations(
     ``mlp_chunk_tokens`` routes the model's GELU MLPs through :mod:`.chunked_mlp` first.
 
     Example:
-        >>> from litegen.config.sections import MemoryConfig
+        >>> from litegen.config import MemoryConfig
         >>> dit = nn.Module()
         >>> dit.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4))
         >>> cfg = MemoryConfig(activation_checkpoint={"enabled": True, "selective_ratio": 0.5})

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from litegen.config.sections import blocks_to_checkpoint
+from litegen.config.memory import blocks_to_checkpoint
 from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.module_paths import submodules_at
 

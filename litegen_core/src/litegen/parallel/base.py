@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from litegen.blocks import repeated_blocks
 from litegen.checkpoint.files import save_state
+from litegen.config.strategies import requirement_problems, strategy_row
+from litegen.module_paths import clean_name
 from litegen.parallel.plan import ParallelPlan
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -43,6 +45,41 @@ def broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(tensor, src=0)
 
 
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
+) -> torch.optim.Optimizer:
+    """Point ``optimizer``'s groups at ``model``'s current parameters, matched by name, in place.
+
+    The groups (their order, membership and hyperparameters) and the optimizer object are
+    kept, so an LR scheduler built on the optimizer before ``prepare`` keeps working.
+
+    Example::
+
+        fqn_of = {id(p): n for n, p in model.named_parameters()}  # before wrapping
+        rebind_optimizer(optimizer, sharded_model, fqn_of) is optimizer
+    """
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state (it has stepped), which cannot follow the "
+            "parameters into their sharded form; pass it to prepare before the first step and "
+            "load saved optimizer state after prepare (resume_from or gen.load_model_state)."
+        )
+    current = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    for group in optimizer.param_groups:
+        rebound = []
+        for param in group["params"]:
+            name = fqn_of.get(id(param))
+            if name is None or name not in current:
+                raise ValueError(
+                    f"an optimizer parameter ({'unnamed' if name is None else name!r}) is not "
+                    "a parameter of the model it was prepared with; build the optimizer on "
+                    "model.parameters() of that model."
+                )
+            rebound.append(current[name])
+        group["params"] = rebound
+    return optimizer
+
+
 class Strategy:
     """How one trainable model and its optimizer are spread over the data-parallel ranks.
 
@@ -53,18 +90,31 @@ class Strategy:
         optimizer = strategy.wrap_optimizer(optimizer, model)
     """
 
-    # True when the EMA must be a copy of the model wrapped like it (see build_ema).
-    ema_from_copy: ClassVar[bool] = False
-    # True when the strategy applies optimization.optimizer.fp32_master_weights; the others
-    # ignore it with a warning (configure_optimizer's, which names the strategies that do).
-    master_weights: ClassVar[bool] = False
-    # True when each rank holds only a shard of the parameters, so a forward is collective.
-    shards_parameters: ClassVar[bool] = False
-
     def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
         self.plan = plan
         self.optimization = optimization
-        self.name = plan.strategy  # the registry's name (litegen.parallel.STRATEGIES)
+        self.name = plan.strategy
+        # The strategy's facts (litegen.config.strategies.TABLE); its option rules hold here.
+        self.row = strategy_row(plan.strategy)
+        problems = requirement_problems(optimization, plan.strategy)
+        if problems:
+            raise ValueError(f"{problems[0]}.")
+
+    @property
+    def ema_from_copy(self) -> bool:
+        """The EMA is an FP32 copy of the model wrapped like it (see :meth:`build_ema`)."""
+        return self.row.ema == "wrapped copy"
+
+    @property
+    def master_weights(self) -> bool:
+        """The strategy applies ``optimization.optimizer.fp32_master_weights``; the others
+        ignore it with a warning (configure_optimizer's, which names the strategies that do)."""
+        return self.row.master_weights
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Each rank holds only a shard of the parameters, so a forward is collective."""
+        return self.row.shards_parameters
 
     # -- wrapping ---------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:

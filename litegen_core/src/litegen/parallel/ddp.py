@@ -8,7 +8,6 @@ single-GPU script would leave it.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import ClassVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -18,9 +17,6 @@ from litegen.parallel.base import Strategy
 
 class DDPStrategy(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` around the trainable model."""
-
-    # Every rank steps the whole model, so every rank keeps every master (no sharding needed).
-    master_weights: ClassVar[bool] = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.plan.device)

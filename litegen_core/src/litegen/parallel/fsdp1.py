@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +33,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from litegen.blocks import repeated_blocks
-from litegen.parallel.base import Strategy, broadcast_from_rank0
-from litegen.parallel.fsdp2 import rebind_optimizer
+from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimizer
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
 from litegen.precision import DTYPES
 
@@ -49,11 +48,8 @@ def fsdp1_mixed_precision(cfg: Any) -> MixedPrecision | None:
         >>> fsdp1_mixed_precision(FSDP2MixedConfig(param_dtype="bf16")).param_dtype
         torch.bfloat16
     """
-    if cfg.output_dtype is not None:
-        raise ValueError(
-            "optimization.precision.fsdp2_mixed.output_dtype has no FSDP1 equivalent; unset "
-            "it for strategy 'fsdp1', or use strategy 'fsdp2'."
-        )
+    # The strategy table refuses output_dtype under fsdp1 before anything is wrapped.
+    assert cfg.output_dtype is None, "Strategy.__init__ checks the row's requirements"
     if cfg.param_dtype is None and cfg.reduce_dtype is None:
         return None
     return MixedPrecision(
@@ -81,26 +77,23 @@ class Fsdp1Strategy(Strategy):
         type(model).__name__
     """
 
-    # Parameters are views into flat shards, so the EMA is an FP32 copy wrapped the same way.
-    ema_from_copy: ClassVar[bool] = True
-    shards_parameters: ClassVar[bool] = True
-
     def wrap_model(self, model: nn.Module) -> nn.Module:
         modules = dict(model.named_modules())
         blocks = repeated_blocks(model)
         if not blocks:
             log.warning(
-                "fsdp1: %s has no repeated blocks, so the whole model is one FSDP unit (every "
+                "%s: %s has no repeated blocks, so the whole model is one FSDP unit (every "
                 "rank gathers all parameters at once); implement get_fsdp_wrap_module_list() "
                 "to choose units.",
+                self.name,
                 type(model).__name__,
             )
         # Submodules the model calls from outside their block get units of their own.
         outside = called_from_outside(model, blocks)
         if outside:
-            log.info("fsdp1: units of their own for %s (called from outside)", outside)
+            log.info("%s: units of their own for %s (called from outside)", self.name, outside)
         units = {path: modules[path] for path in blocks + outside}
-        guard_outside_calls(model, units, "fsdp1", _fsdp1_fix)
+        guard_outside_calls(model, units, self.name, _fsdp1_fix)
         unit_ids = {id(module) for module in units.values()}
         model = model.to(self.plan.device)
         # Every rank starts from rank 0's weights, as with DDP. (FSDP1's own

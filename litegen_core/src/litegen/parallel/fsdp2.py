@@ -14,7 +14,6 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from litegen.parallel.base import Strategy, broadcast_from_rank0
+from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimizer
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
 from litegen.parallel.wrap import in_post_order, last_unit, plan_units
@@ -39,52 +38,6 @@ log = logging.getLogger("litegen")
 # for out-of-place losses. Only this message is silenced, and only once fsdp2 or hsdp is used.
 _VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
-# Wrappers that insert a path component into parameter names (FSDP1, checkpoint_wrapper,
-# torch.compile); names are compared without them.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name as the user's unwrapped module spells it."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def rebind_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, fqn_of: dict[int, str]
-) -> torch.optim.Optimizer:
-    """Point ``optimizer``'s groups at ``model``'s current parameters, matched by name, in place.
-
-    The groups (their order, membership and hyperparameters) and the optimizer object are
-    kept, so an LR scheduler built on the optimizer before ``prepare`` keeps working.
-
-    Example::
-
-        fqn_of = {id(p): n for n, p in model.named_parameters()}  # before wrapping
-        rebind_optimizer(optimizer, sharded_model, fqn_of) is optimizer
-    """
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer already has state (it has stepped), which cannot follow the "
-            "parameters into their sharded form; pass it to prepare before the first step and "
-            "load saved optimizer state after prepare (resume_from or gen.load_model_state)."
-        )
-    current = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
-    for group in optimizer.param_groups:
-        rebound = []
-        for param in group["params"]:
-            name = fqn_of.get(id(param))
-            if name is None or name not in current:
-                raise ValueError(
-                    f"an optimizer parameter ({'unnamed' if name is None else name!r}) is not "
-                    "a parameter of the model it was prepared with; build the optimizer on "
-                    "model.parameters() of that model."
-                )
-            rebound.append(current[name])
-        group["params"] = rebound
-    return optimizer
-
 
 class Fsdp2Strategy(Strategy):
     """``fully_shard`` on each planned unit, then on the root, over a 1-D data-parallel mesh.
@@ -94,10 +47,6 @@ class Fsdp2Strategy(Strategy):
         strategy = Fsdp2Strategy(plan, config.optimization)
         model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
     """
-
-    # The master step handles DTensor shards through to_local() (see litegen.optim).
-    master_weights: ClassVar[bool] = True
-    shards_parameters: ClassVar[bool] = True
 
     def mesh(self) -> DeviceMesh:
         return dp_mesh(self.plan)

@@ -1,5 +1,5 @@
-"""The parallel plan: which strategy, over how many data- and sequence-parallel ranks, on which
-device.
+"""The job's shape: where a worker sits in it (:class:`DistEnv`, from torchrun's variables) and
+the parallel plan the strategies see (:class:`ParallelPlan`).
 
 The ranks form a ``(dp, sp)`` mesh: rank ``r`` is sequence-parallel rank ``r % sp_size`` of
 data-parallel group ``r // sp_size``, so the ranks of one sequence-parallel group are contiguous
@@ -7,17 +7,57 @@ and stay within a node. The ranks of a sequence-parallel group read the same sam
 strategies still spread the model and average gradients over every rank (see
 ``litegen.parallel.sequence.comm`` for why that is the right gradient).
 
-Checks that need the job's shape (world size, nodes) live here, so every strategy can trust
-its plan.
+The rules on the job's shape (:func:`litegen.config.strategies.job_shape_problems`) hold for
+every plan built here, so every strategy can trust its plan.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from litegen.runtime.distributed import DistEnv
+from litegen.config.strategies import job_shape_problems
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a worker about its place in the job.
+
+    Example:
+        >>> DistEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
+        1
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launched: bool = False  # True under torchrun (or any launcher that sets RANK)
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
+        if "RANK" not in environ:
+            return cls()
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+            launched=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -52,24 +92,18 @@ class ParallelPlan:
         return self.rank % self.sp_size
 
     @classmethod
-    def build(cls, strategy: str, parallel_cfg, env: DistEnv, device: torch.device) -> ParallelPlan:
-        if parallel_cfg.cp_size > 1:
-            raise NotImplementedError(
-                f"optimization.parallel.cp_size={parallel_cfg.cp_size}: ring attention is "
-                "reserved; set cp_size: 1 and split long sequences with sp_size instead."
-            )
-        sp_size = parallel_cfg.sp_size
-        if env.world_size % sp_size:
-            raise ValueError(
-                f"optimization.parallel.sp_size={sp_size} must divide the world size "
-                f"{env.world_size}; launch a multiple of {sp_size} ranks or change sp_size."
-            )
-        if strategy == "hsdp" and env.nnodes < 2:
-            raise ValueError(
-                "optimization.parallel.strategy 'hsdp' replicates across nodes and needs at "
-                f"least 2 nodes, but this job has {env.nnodes}; use 'fsdp2' on one node, or "
-                "launch with launch.nnodes >= 2."
-            )
+    def build(
+        cls, strategy: str, parallel_cfg: Any, env: DistEnv, device: torch.device
+    ) -> ParallelPlan:
+        problems = job_shape_problems(
+            world_size=env.world_size,
+            nnodes=env.nnodes,
+            strategy=strategy,
+            sp_size=parallel_cfg.sp_size,
+            cp_size=parallel_cfg.cp_size,
+        )
+        if problems:
+            raise problems[0].error(f"{problems[0]}.")
         return cls(
             strategy=strategy,
             device=device,
@@ -77,5 +111,5 @@ class ParallelPlan:
             rank=env.rank,
             nnodes=env.nnodes,
             local_world_size=env.local_world_size,
-            sp_size=sp_size,
+            sp_size=parallel_cfg.sp_size,
         )

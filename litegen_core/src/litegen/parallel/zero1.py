@@ -246,7 +246,6 @@ class Zero1Strategy(Strategy):
     """Our bucketed ZeRO-1 (or ZeroRedundancyOptimizer, by ``parameter_sync``); see the module."""
 
     grad_mode: ClassVar[str] = "all_reduce"
-    master_weights: ClassVar[bool] = True
 
     def __init__(self, plan, optimization) -> None:
         super().__init__(plan, optimization)

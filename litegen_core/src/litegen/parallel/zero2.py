@@ -5,7 +5,8 @@ difference: each gradient bucket is reduce-scattered instead of all-reduced, so 
 backward a rank holds only its partition's averaged gradients; a parameter's full ``.grad``
 is dropped as soon as it has been copied into its bucket. The step then updates the partition
 and all-gathers the parameters, as ZeRO-1's ``bucketed`` sync does. It reads its options from
-``optimization.parallel.zero1`` and needs ``parameter_sync: bucketed``.
+``optimization.parallel.zero1`` and needs ``parameter_sync: bucketed`` (its row of the
+strategy table says so).
 
 Example::
 
@@ -23,13 +24,3 @@ class Zero2Strategy(Zero1Strategy):
     """ZeRO-1 with reduce-scattered gradients: only the partition's gradients persist."""
 
     grad_mode: ClassVar[str] = "reduce_scatter"
-
-    def __init__(self, plan, optimization) -> None:
-        sync = optimization.parallel.zero1.parameter_sync
-        if sync != "bucketed":
-            raise ValueError(
-                f"strategy zero2 shards gradients with its own buckets and needs "
-                f"optimization.parallel.zero1.parameter_sync: bucketed, got {sync!r}; "
-                "ZeroRedundancyOptimizer ('native') only shards optimizer state (use zero1)."
-            )
-        super().__init__(plan, optimization)

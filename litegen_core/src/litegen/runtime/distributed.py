@@ -1,4 +1,6 @@
-"""Process-level setup: the torchrun environment, the process group, the device and the seeds.
+"""Process-level setup: the process group, the device and the seeds, for a worker whose place in
+the job is a :class:`DistEnv` (torchrun's variables; defined in :mod:`litegen.parallel.plan`
+beside the plan it shapes, and importable from here).
 
 Works the same under ``torchrun --nproc_per_node=N`` and as a plain single process (a
 one-rank group backed by an in-memory store), so every later layer can assume a group exists.
@@ -6,10 +8,7 @@ one-rank group backed by an in-memory store), so every later layer can assume a 
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -17,43 +16,16 @@ import torch
 import torch.distributed as dist
 
 from litegen.config import MainConfig
+from litegen.parallel.plan import DistEnv
 
-
-@dataclass(frozen=True)
-class DistEnv:
-    """What torchrun tells a worker about its place in the job.
-
-    Example:
-        >>> DistEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
-        1
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    launched: bool = False  # True under torchrun (or any launcher that sets RANK)
-
-    @property
-    def nnodes(self) -> int:
-        return max(1, self.world_size // self.local_world_size)
-
-    @property
-    def node_rank(self) -> int:
-        return self.rank // self.local_world_size
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
-        if "RANK" not in environ:
-            return cls()
-        world_size = int(environ.get("WORLD_SIZE", "1"))
-        return cls(
-            rank=int(environ["RANK"]),
-            world_size=world_size,
-            local_rank=int(environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
-            launched=True,
-        )
+__all__ = [
+    "DistEnv",
+    "init_process_group",
+    "resolve_backend",
+    "resolve_device",
+    "seed_everything",
+    "set_tf32",
+]
 
 
 def resolve_device(config: MainConfig, env: DistEnv) -> torch.device:

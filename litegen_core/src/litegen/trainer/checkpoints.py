@@ -18,13 +18,13 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
+from litegen.checkpoint.layout import CONFIG, LAUNCH, step_of
 from litegen.checkpoint.rng import capture_rng, restore_rng
-from litegen.checkpoint.run_state import find_latest
 from litegen.checkpoint.step_dirs import (
+    find_latest,
     newer_checkpoints,
     read_config_text,
     resolve_checkpoint,
-    step_of,
 )
 from litegen.data import data_state, load_data_state
 
@@ -138,16 +138,16 @@ class RunCheckpoints:
             self.loader.generator.set_state(state["loader_generator"])
 
     def save_run_checkpoint(self) -> None:
-        """Write ``<checkpoint_dir>/step_<step>/`` (see checkpoint/run_state.py). Every rank.
+        """Write ``<checkpoint_dir>/step_<step>/`` (layout: checkpoint/layout.py). Every rank.
 
         The deferred loss checks of the steps up to this one come first: no checkpoint of a
         step whose loss was not finite is ever written.
         """
         self.loss_guard.raise_if_nonfinite()
         # Absolute paths: `litegen resume` from any folder continues in the same folders.
-        files = {"config.yaml": self.config.with_absolute_paths().to_yaml()}
+        files = {CONFIG: self.config.with_absolute_paths().to_yaml()}
         if self.run_info:
-            files["launch.yaml"] = yaml.safe_dump(self.run_info, sort_keys=False)
+            files[LAUNCH] = yaml.safe_dump(self.run_info, sort_keys=False)
         self.checkpointer.save(self.step, self._rank_state(), files)
 
     def save_checkpoint(self, step: int | None) -> None:

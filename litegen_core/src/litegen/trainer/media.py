@@ -15,11 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-MEDIA_SUFFIXES = frozenset({".png", ".gif", ".mp4"})
-"""The files in a samples folder that reach the loggers."""
+from litegen.loggers.conventions import FRAMES_PER_SECOND, GIF_FRAME_MS, MEDIA_SUFFIXES
 
-FRAMES_PER_SECOND = 8
-GIF_FRAME_MS = 1000 // FRAMES_PER_SECOND
 MP4_CODEC = "libx264"  # H.264: what browsers (W&B) play
 
 
@@ -81,26 +78,6 @@ def _write_mp4(grids: list[np.ndarray], path: Path) -> None:
         container.mux(stream.encode())  # flush the encoder
 
 
-def gif_bytes(path: Path) -> bytes:
-    """An MP4 sample re-encoded as an animated GIF in memory, for TensorBoard's image tab (which
-    plays GIFs, not MP4s).
-
-    Example::
-
-        gif_bytes(Path("results/wan/samples/step_100/samples.mp4"))[:6]
-    """
-    import io
-
-    import av
-
-    with av.open(str(path)) as container:
-        frames = [frame.to_image() for frame in container.decode(video=0)]
-    buffer = io.BytesIO()
-    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:],
-                   duration=GIF_FRAME_MS, loop=0)  # fmt: skip
-    return buffer.getvalue()
-
-
 def _as_batch(samples: Any) -> torch.Tensor:
     if isinstance(samples, list | tuple):
         samples = torch.stack([torch.as_tensor(np.asarray(s)) for s in samples])
@@ -131,4 +108,4 @@ def _grid(images: torch.Tensor, pad: int = 2) -> np.ndarray:
     return picture[..., 0] if c == 1 else picture
 
 
-__all__ = ["MEDIA_SUFFIXES", "gif_bytes", "mp4_available", "save_samples"]
+__all__ = ["MEDIA_SUFFIXES", "mp4_available", "save_samples"]

@@ -22,7 +22,8 @@ from litegen.parallel.sequence.apply import (
     compile_context,
     sequence_parallel_off,
 )
-from litegen.parallel.sequence.plan import SequencePlan, Split, plan_for, register_sequence_plan
+from litegen.parallel.sequence.plan import SequencePlan, Split
+from litegen.parallel.sequence.plans import plan_for, register_sequence_plan
 
 __all__ = [
     "SequenceParallel",

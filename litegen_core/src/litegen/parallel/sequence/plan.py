@@ -15,15 +15,16 @@ Example (a DiT whose blocks take ``x`` and whose ``head`` produces the output)::
         )
 
 A model gets its plan from, in order: a plan registered for its class
-(:func:`register_sequence_plan`), its ``litegen_sp_plan`` attribute (a plan, or a method
-returning one, for plans that depend on the model's configuration), LiteGen's built-in plans
-(:mod:`litegen.parallel.sequence.plans`).
+(:func:`litegen.parallel.sequence.plans.register_sequence_plan`), its ``litegen_sp_plan``
+attribute (a plan, or a method returning one, for plans that depend on the model's
+configuration), LiteGen's built-in plans (:mod:`litegen.parallel.sequence.plans`, which
+looks them up: ``plan_for``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -130,53 +131,6 @@ def matching(model: nn.Module, pattern: str) -> dict[str, nn.Module]:
     return {path: m for path, m in model.named_modules() if path and regex.fullmatch(path)}
 
 
-# -- where a model's plan comes from ----------------------------------------------------------
-PlanSource = SequencePlan | Callable[[nn.Module], SequencePlan]
-_REGISTERED: dict[type, PlanSource] = {}
-
-
-def register_sequence_plan(cls: type, plan: PlanSource) -> None:
-    """Use ``plan`` (or ``plan(model)``) for every model of class ``cls`` (not subclasses).
-
-    Example::
-
-        register_sequence_plan(MyDiT, SequencePlan(
-            split_inputs={"blocks.0": {"x": 1}}, gather_outputs={"head": 1},
-            attention={"blocks.*.attn": "self"}))
-    """
-    _REGISTERED[cls] = plan
-
-
-def plan_for(model: nn.Module) -> SequencePlan:
-    """The plan of ``model`` (module docstring), checked against it; ValueError if none.
-
-    Example::
-
-        plan_for(wan).gather_outputs
-    """
-    from litegen.parallel.sequence.plans import BUILTIN, builtin_plan
-
-    cls = type(model)
-    source = _REGISTERED.get(cls) or getattr(model, PLAN_ATTRIBUTE, None) or builtin_plan(model)
-    if source is None:
-        raise ValueError(
-            f"optimization.parallel.sp_size > 1 needs a sequence-parallel plan for "
-            f"{cls.__name__}, and it has none: LiteGen has built-in plans for "
-            f"{', '.join(sorted(BUILTIN))}. Declare one on the class "
-            f"({PLAN_ATTRIBUTE} = SequencePlan(split_inputs=..., gather_outputs=..., "
-            "attention=...)) or call litegen.parallel.sequence.register_sequence_plan "
-            "(docs/sequence_parallel.md)."
-        )
-    if isinstance(source, SequencePlan):
-        plan = source
-    elif getattr(source, "__self__", None) is model:  # a method: def litegen_sp_plan(self)
-        plan = source()
-    else:
-        plan = source(model)
-    plan.check(model)
-    return plan
-
-
 __all__ = [
     "LAYOUTS",
     "PLAN_ATTRIBUTE",
@@ -185,6 +139,4 @@ __all__ = [
     "Split",
     "as_split",
     "matching",
-    "plan_for",
-    "register_sequence_plan",
 ]

@@ -1,4 +1,5 @@
-"""Built-in sequence-parallel plans for diffusers' video and image transformers.
+"""Built-in sequence-parallel plans for diffusers' video and image transformers, and the
+lookup of a model's plan (:func:`plan_for`, :func:`register_sequence_plan`).
 
 Each plan splits the video (or image) tokens where the blocks start, splits what is computed
 per token over the whole sequence before them (rotary embeddings, per-token timesteps), and
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from litegen.parallel.sequence.plan import SequencePlan, Split
+from litegen.parallel.sequence.plan import PLAN_ATTRIBUTE, SequencePlan, Split
 
 # A timestep of shape (B, S) is per token (Wan 2.2 TI2V, LTX-Video conditioning); (B,) is not.
 PER_TOKEN = Split(1, ndim=2)
@@ -112,4 +113,50 @@ def builtin_plan(model: nn.Module) -> Callable[[nn.Module], SequencePlan] | None
     return BUILTIN.get(cls.__name__)
 
 
-__all__ = ["BUILTIN", "builtin_plan"]
+# -- where a model's plan comes from ----------------------------------------------------------
+PlanSource = SequencePlan | Callable[[nn.Module], SequencePlan]
+_REGISTERED: dict[type, PlanSource] = {}
+
+
+def register_sequence_plan(cls: type, plan: PlanSource) -> None:
+    """Use ``plan`` (or ``plan(model)``) for every model of class ``cls`` (not subclasses).
+
+    Example::
+
+        register_sequence_plan(MyDiT, SequencePlan(
+            split_inputs={"blocks.0": {"x": 1}}, gather_outputs={"head": 1},
+            attention={"blocks.*.attn": "self"}))
+    """
+    _REGISTERED[cls] = plan
+
+
+def plan_for(model: nn.Module) -> SequencePlan:
+    """The plan of ``model`` (in the order :mod:`litegen.parallel.sequence.plan` gives),
+    checked against it; ValueError if none.
+
+    Example::
+
+        plan_for(wan).gather_outputs
+    """
+    cls = type(model)
+    source = _REGISTERED.get(cls) or getattr(model, PLAN_ATTRIBUTE, None) or builtin_plan(model)
+    if source is None:
+        raise ValueError(
+            f"optimization.parallel.sp_size > 1 needs a sequence-parallel plan for "
+            f"{cls.__name__}, and it has none: LiteGen has built-in plans for "
+            f"{', '.join(sorted(BUILTIN))}. Declare one on the class "
+            f"({PLAN_ATTRIBUTE} = SequencePlan(split_inputs=..., gather_outputs=..., "
+            "attention=...)) or call litegen.parallel.sequence.register_sequence_plan "
+            "(docs/sequence_parallel.md)."
+        )
+    if isinstance(source, SequencePlan):
+        plan = source
+    elif getattr(source, "__self__", None) is model:  # a method: def litegen_sp_plan(self)
+        plan = source()
+    else:
+        plan = source(model)
+    plan.check(model)
+    return plan
+
+
+__all__ = ["BUILTIN", "builtin_plan", "plan_for", "register_sequence_plan"]

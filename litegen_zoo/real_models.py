@@ -1,0 +1,449 @@
+"""Real diffusion transformers from diffusers, at their published size or tiny, with batches.
+
+One :class:`RealModel` per architecture in :data:`REAL_MODELS`: the class, the published config
+of the reference checkpoint and a tiny config of the same class (both as constructor kwargs,
+built with random weights, nothing downloaded), the latent size each is used at, a synthetic
+batch of the inputs its ``forward`` needs, and a flow-matching loss over its prediction.
+
+A batch is a dict of tensors that all lead with the batch dimension (clean latents, noise, the
+flow time ``t`` in [0, 1], and the model's conditions: text embeddings, masks, pooled
+projections, class labels, guidance), so ``{k: v[i] for k, v in batch.items()}`` is one sample
+and a DataLoader's default collate stacks samples back. Whatever follows from the latent size
+(Flux's token ids, LTX's frame count) is made by :meth:`RealModel.predict` at call time.
+
+Example:
+    >>> spec = REAL_MODELS["flux"]
+    >>> model = spec.build("tiny")
+    >>> batch = spec.batch("tiny", batch_size=2, seed=0)
+    >>> spec.loss(model, batch).backward()
+    >>> spec.predict(model, batch).shape == batch["latents"].shape
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from litegen_zoo.real_model_inputs import (
+    Batch,
+    LatentShape,
+    cogvideox_conditions,
+    cogvideox_run,
+    dit_conditions,
+    dit_run,
+    flux_conditions,
+    flux_run,
+    hunyuan_conditions,
+    hunyuan_run,
+    ltx_conditions,
+    ltx_run,
+    pixart_conditions,
+    pixart_run,
+    sd3_conditions,
+    sd3_run,
+    unwrapped,
+    wan_conditions,
+    wan_run,
+)
+
+Size = Literal["tiny", "reference"]
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A diffusers transformer class with a reference and a tiny config, its inputs and loss.
+
+    ``conditions(config, shape, batch_size, generator)`` makes the per-sample conditions;
+    ``run(model, config, noisy, timestep, batch)`` calls ``forward`` and returns the prediction
+    in the layout of ``batch["latents"]``. ``latent_layout`` names the latents' dimensions
+    (b batch, c channels, f frames, h height, w width).
+
+    Example:
+        >>> REAL_MODELS["dit"].build("reference").config.num_layers
+        28
+    """
+
+    name: str
+    class_name: str
+    reference: dict[str, Any]
+    tiny: dict[str, Any]
+    reference_shape: LatentShape
+    tiny_shape: LatentShape
+    latent_layout: Literal["bchw", "bcfhw", "bfchw"]
+    conditions: Callable[[dict[str, Any], LatentShape, int, torch.Generator], Batch]
+    run: Callable[[nn.Module, dict[str, Any], torch.Tensor, torch.Tensor, Batch], torch.Tensor]
+    # Latent channels per input channel of the model: Flux packs 2x2 latent pixels per token.
+    latent_channels_per_input: float = 1.0
+
+    def config(self, size: Size = "tiny") -> dict[str, Any]:
+        """The constructor kwargs of ``size`` (a copy)."""
+        return dict(self.reference if size == "reference" else self.tiny)
+
+    def shape(self, size: Size = "tiny") -> LatentShape:
+        return self.reference_shape if size == "reference" else self.tiny_shape
+
+    def model_class(self) -> type[nn.Module]:
+        """The diffusers class (importing it takes seconds: do it before forking ranks)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
+    def build(self, size: Size = "tiny", seed: int = 0, **overrides: Any) -> nn.Module:
+        """The model with random weights; the same weights for the same seed.
+
+        Example:
+            >>> REAL_MODELS["wan"].build("tiny", num_layers=3).config.num_layers
+            3
+        """
+        torch.manual_seed(seed)
+        return self.model_class()(**(self.config(size) | overrides))
+
+    def batch(
+        self,
+        size: Size = "tiny",
+        batch_size: int = 2,
+        seed: int = 0,
+        shape: LatentShape | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> Batch:
+        """A synthetic batch for the ``size`` config (or ``config``) at ``shape``, on the CPU.
+
+        Example:
+            >>> REAL_MODELS["dit"].batch("tiny", batch_size=4)["latents"].shape
+            torch.Size([4, 4, 8, 8])
+        """
+        config = config or self.config(size)
+        shape = shape or self.shape(size)
+        gen = torch.Generator().manual_seed(seed)
+        channels = int(config["in_channels"] * self.latent_channels_per_input)
+        dims = {"b": batch_size, "c": channels, "f": shape.frames}
+        dims |= {"h": shape.height, "w": shape.width}
+        latent_size = [dims[d] for d in self.latent_layout]
+        return {
+            "latents": torch.randn(latent_size, generator=gen),
+            "noise": torch.randn(latent_size, generator=gen),
+            "t": torch.rand(batch_size, generator=gen),
+        } | self.conditions(config, shape, batch_size, gen)
+
+    def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The model's velocity prediction at ``noisy = (1 - t) * latents + t * noise``."""
+        config = dict(unwrapped(model).config)
+        dtype = next(model.parameters()).dtype
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        t = batch["t"].view(-1, *[1] * (batch["latents"].ndim - 1))
+        noisy = (1 - t) * batch["latents"] + t * batch["noise"]
+        return self.run(model, config, noisy, batch["t"], batch)
+
+    @staticmethod
+    def target(batch: Batch) -> torch.Tensor:
+        """The flow-matching velocity the prediction regresses to."""
+        return batch["noise"] - batch["latents"]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean squared error of the prediction against :meth:`target`, in fp32."""
+        prediction = self.predict(model, batch).float()
+        return nn.functional.mse_loss(prediction, self.target(batch).float())
+
+
+# Tiny configs: 2 heads of 16 (hidden 32), two of each repeated block (so block detection and
+# FSDP units see a real stack), a few latent pixels and text tokens.
+_HEADS = {"num_attention_heads": 2, "attention_head_dim": 16}
+
+REAL_MODELS: dict[str, RealModel] = {
+    spec.name: spec
+    for spec in (
+        RealModel(
+            name="dit",
+            class_name="DiTTransformer2DModel",
+            # facebook/DiT-XL-2-256
+            reference={
+                "num_attention_heads": 16,
+                "attention_head_dim": 72,
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 28,
+                "sample_size": 32,
+                "patch_size": 2,
+                "num_embeds_ada_norm": 1000,
+                "norm_type": "ada_norm_zero",
+                "norm_elementwise_affine": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 2,
+                "sample_size": 8,
+                "patch_size": 2,
+                "num_embeds_ada_norm": 10,
+            },
+            reference_shape=LatentShape(32, 32),
+            tiny_shape=LatentShape(8, 8),
+            latent_layout="bchw",
+            conditions=dit_conditions,
+            run=dit_run,
+        ),
+        RealModel(
+            name="pixart",
+            class_name="PixArtTransformer2DModel",
+            # PixArt-alpha/PixArt-XL-2-512x512
+            reference={
+                "num_attention_heads": 16,
+                "attention_head_dim": 72,
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 28,
+                "cross_attention_dim": 1152,
+                "caption_channels": 4096,
+                "sample_size": 64,
+                "patch_size": 2,
+                "norm_type": "ada_norm_single",
+                "norm_elementwise_affine": False,
+                "norm_eps": 1e-6,
+                "use_additional_conditions": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 8,
+                "num_layers": 2,
+                "cross_attention_dim": 32,
+                "caption_channels": 16,
+                "sample_size": 8,
+                "patch_size": 2,
+                "use_additional_conditions": False,
+            },
+            reference_shape=LatentShape(64, 64, text_tokens=120),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=pixart_conditions,
+            run=pixart_run,
+        ),
+        RealModel(
+            name="sd3",
+            class_name="SD3Transformer2DModel",
+            # stabilityai/stable-diffusion-3-medium-diffusers; 333 tokens = 77 CLIP + 256 T5
+            reference={
+                "sample_size": 128,
+                "patch_size": 2,
+                "in_channels": 16,
+                "out_channels": 16,
+                "num_layers": 24,
+                "attention_head_dim": 64,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 4096,
+                "caption_projection_dim": 1536,
+                "pooled_projection_dim": 2048,
+                "pos_embed_max_size": 192,
+            },
+            tiny=_HEADS
+            | {
+                "sample_size": 8,
+                "patch_size": 2,
+                "in_channels": 4,
+                "out_channels": 4,
+                "num_layers": 2,
+                "joint_attention_dim": 16,
+                "caption_projection_dim": 32,
+                "pooled_projection_dim": 16,
+                "pos_embed_max_size": 8,
+            },
+            reference_shape=LatentShape(128, 128, text_tokens=333),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=sd3_conditions,
+            run=sd3_run,
+        ),
+        RealModel(
+            name="flux",
+            class_name="FluxTransformer2DModel",
+            # black-forest-labs/FLUX.1-dev
+            reference={
+                "patch_size": 1,
+                "in_channels": 64,
+                "num_layers": 19,
+                "num_single_layers": 38,
+                "attention_head_dim": 128,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 4096,
+                "pooled_projection_dim": 768,
+                "guidance_embeds": True,
+                "axes_dims_rope": (16, 56, 56),
+            },
+            tiny=_HEADS
+            | {
+                "patch_size": 1,
+                "in_channels": 16,
+                "num_layers": 2,
+                "num_single_layers": 2,
+                "joint_attention_dim": 16,
+                "pooled_projection_dim": 16,
+                "guidance_embeds": True,
+                "axes_dims_rope": (4, 6, 6),
+            },
+            reference_shape=LatentShape(128, 128, text_tokens=512),
+            tiny_shape=LatentShape(8, 8, text_tokens=6),
+            latent_layout="bchw",
+            conditions=flux_conditions,
+            run=flux_run,
+            latent_channels_per_input=1 / 4,
+        ),
+        RealModel(
+            name="wan",
+            class_name="WanTransformer3DModel",
+            # Wan-AI/Wan2.1-T2V-1.3B-Diffusers; 81 frames at 480x832
+            reference={
+                "patch_size": (1, 2, 2),
+                "num_attention_heads": 12,
+                "attention_head_dim": 128,
+                "in_channels": 16,
+                "out_channels": 16,
+                "text_dim": 4096,
+                "freq_dim": 256,
+                "ffn_dim": 8960,
+                "num_layers": 30,
+                "cross_attn_norm": True,
+                "qk_norm": "rms_norm_across_heads",
+                "eps": 1e-6,
+                "rope_max_seq_len": 1024,
+            },
+            tiny=_HEADS
+            | {
+                "patch_size": (1, 2, 2),
+                "in_channels": 4,
+                "out_channels": 4,
+                "text_dim": 16,
+                "freq_dim": 32,
+                "ffn_dim": 64,
+                "num_layers": 2,
+                "rope_max_seq_len": 32,
+            },
+            reference_shape=LatentShape(60, 104, frames=21, text_tokens=512),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=wan_conditions,
+            run=wan_run,
+        ),
+        RealModel(
+            name="cogvideox",
+            class_name="CogVideoXTransformer3DModel",
+            # THUDM/CogVideoX-2b; 49 frames at 480x720, text padded to max_text_seq_length
+            reference={
+                "num_attention_heads": 30,
+                "attention_head_dim": 64,
+                "in_channels": 16,
+                "out_channels": 16,
+                "time_embed_dim": 512,
+                "text_embed_dim": 4096,
+                "num_layers": 30,
+                "sample_width": 90,
+                "sample_height": 60,
+                "sample_frames": 49,
+                "patch_size": 2,
+                "temporal_compression_ratio": 4,
+                "max_text_seq_length": 226,
+                "use_rotary_positional_embeddings": False,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 4,
+                "time_embed_dim": 16,
+                "text_embed_dim": 16,
+                "num_layers": 2,
+                "sample_width": 4,
+                "sample_height": 4,
+                "sample_frames": 5,  # 2 latent frames, before the VAE's 4x time compression
+                "patch_size": 2,
+                "max_text_seq_length": 6,
+            },
+            reference_shape=LatentShape(60, 90, frames=13, text_tokens=226),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bfchw",
+            conditions=cogvideox_conditions,
+            run=cogvideox_run,
+        ),
+        RealModel(
+            name="hunyuan_video",
+            class_name="HunyuanVideoTransformer3DModel",
+            # hunyuanvideo-community/HunyuanVideo; 129 frames at 720x1280
+            reference={
+                "in_channels": 16,
+                "out_channels": 16,
+                "num_attention_heads": 24,
+                "attention_head_dim": 128,
+                "num_layers": 20,
+                "num_single_layers": 40,
+                "num_refiner_layers": 2,
+                "mlp_ratio": 4.0,
+                "patch_size": 2,
+                "patch_size_t": 1,
+                "qk_norm": "rms_norm",
+                "guidance_embeds": True,
+                "text_embed_dim": 4096,
+                "pooled_projection_dim": 768,
+                "rope_theta": 256.0,
+                "rope_axes_dim": (16, 56, 56),
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 4,
+                "out_channels": 4,
+                "num_layers": 2,
+                "num_single_layers": 2,
+                "num_refiner_layers": 2,
+                "mlp_ratio": 2.0,
+                "patch_size": 2,
+                "patch_size_t": 1,
+                "guidance_embeds": True,
+                "text_embed_dim": 16,
+                "pooled_projection_dim": 16,
+                "rope_axes_dim": (4, 6, 6),
+            },
+            reference_shape=LatentShape(90, 160, frames=33, text_tokens=256),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=hunyuan_conditions,
+            run=hunyuan_run,
+        ),
+        RealModel(
+            name="ltx_video",
+            class_name="LTXVideoTransformer3DModel",
+            # Lightricks/LTX-Video (0.9); 161 frames at 512x704
+            reference={
+                "in_channels": 128,
+                "out_channels": 128,
+                "patch_size": 1,
+                "patch_size_t": 1,
+                "num_attention_heads": 32,
+                "attention_head_dim": 64,
+                "cross_attention_dim": 2048,
+                "num_layers": 28,
+                "qk_norm": "rms_norm_across_heads",
+                "norm_elementwise_affine": False,
+                "norm_eps": 1e-6,
+                "caption_channels": 4096,
+                "attention_bias": True,
+                "attention_out_bias": True,
+            },
+            tiny=_HEADS
+            | {
+                "in_channels": 8,
+                "out_channels": 8,
+                "cross_attention_dim": 32,
+                "num_layers": 2,
+                "caption_channels": 16,
+            },
+            reference_shape=LatentShape(16, 22, frames=21, text_tokens=128),
+            tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
+            latent_layout="bcfhw",
+            conditions=ltx_conditions,
+            run=ltx_run,
+        ),
+    )
+}
