@@ -89,7 +89,9 @@ def test_video_recipe_cache_build_then_train_with_lora(
                  "trainer.validation.frames=9", "trainer.checkpoint_every=4"]  # fmt: skip
     recipe = str(RECIPES / "finetune_video.yaml")
 
-    built = CliRunner().invoke(app, ["cache", "build", recipe, *overrides], env={"COLUMNS": "250"})
+    built = CliRunner().invoke(
+        app, ["cache", "build", recipe, *overrides, "--nproc", "1"], env={"COLUMNS": "250"}
+    )
     assert built.exit_code == 0, built.output
     # 6 files (the broken clip is skipped) and the empty caption, for caption dropout.
     assert re.search(r"misses \(encoded now\)\s*│\s*7\s*│", built.output)

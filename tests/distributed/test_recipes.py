@@ -96,7 +96,8 @@ def test_autoencoder_then_latent_dit_with_cache(tmp_path):
     # `litegen cache build` in this process finds every latent the ranks wrote: same
     # fingerprint from another process, and nothing is encoded again.
     recipe = str(RECIPES / "digits_latent_dit.yaml")
-    result = CliRunner().invoke(app, ["cache", "build", recipe, *latent], env={"COLUMNS": "250"})
+    build = ["cache", "build", recipe, *latent, "--nproc", "1"]
+    result = CliRunner().invoke(app, build, env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert re.search(rf"hits \(already cached\)\s*│\s*{NUM_DIGITS}\s*│", result.output)
     assert re.search(r"misses \(encoded now\)\s*│\s*0\s*│", result.output)

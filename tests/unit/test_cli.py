@@ -272,7 +272,7 @@ def test_the_ranks_inherit_the_allocator_setting_unless_the_user_chose_one(
 ):
     import torch.distributed.run
 
-    # setenv first, so that teardown restores the variables _run sets
+    # setenv first, so that teardown restores the variables run_ranks sets
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users or "")
     monkeypatch.setenv(LAUNCHER_PID_ENV, "")
     if users is None:
@@ -284,7 +284,7 @@ def test_the_ranks_inherit_the_allocator_setting_unless_the_user_chose_one(
         lambda args: seen.append(os.environ["PYTORCH_CUDA_ALLOC_CONF"]),
     )
     path = write_recipe(tmp_path, optimization={"memory": {"activation_offload": True}})
-    launcher._run(load_recipe(path), tmp_path / "resolved.yaml")
+    launcher.run_ranks(load_recipe(path), tmp_path / "resolved.yaml")
     assert seen == [users or "expandable_segments:True"]
 
 

@@ -140,7 +140,7 @@ def run_launch(
         render.print_recipe_error(err)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except LaunchFailed as err:
-        _report_failure(err, config.get_checkpoint_dir())
+        _report_failure(err, _resume_hint(config.get_checkpoint_dir()))
         raise typer.Exit(err.exit_code) from None
     except OSError as err:  # e.g. the results dir is not writable
         render.print_error("Cannot start the run", [f"{type(err).__name__}: {err}"])
@@ -148,11 +148,16 @@ def run_launch(
     render.console.print(f"[green]Done.[/] Resolved recipe: {resolved}")
 
 
-def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
-    """One line for a signal, else one panel: the root failure, the others, where the logs are."""
-    resume = ""
+def _resume_hint(checkpoint_dir: str) -> str:
+    """How to continue a failed run: from its latest checkpoint, when it wrote one."""
     if any(Path(checkpoint_dir).glob(STEP_DIR_GLOB)):
-        resume = f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
+        return f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
+    return ""
+
+
+def _report_failure(err: LaunchFailed, resume: str, title: str = "Training failed") -> None:
+    """One line for a signal, else one panel: the root failure, the others, where the logs are,
+    then ``resume`` (how to go on; not after bad input)."""
     if err.signal is not None:
         line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
         render.err_console.print(line, highlight=False, markup=False)
@@ -167,7 +172,7 @@ def _report_failure(err: LaunchFailed, checkpoint_dir: str) -> None:
     if resume and err.exit_code != EXIT_BAD_INPUT:
         lines.append(resume)
     bad_input = err.exit_code == EXIT_BAD_INPUT
-    render.print_error("Bad input" if bad_input else "Training failed", lines)
+    render.print_error("Bad input" if bad_input else title, lines)
 
 
 def _first_line(failure: RankFailure) -> str:
@@ -340,20 +345,44 @@ def cache_build(
     batch_size: Annotated[
         int, typer.Option("--batch-size", min=1, help="Samples per encode_fn call.")
     ] = 64,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Ranks that share the encoding on this node, started as `launch` starts them "
+            "(one GPU each under runtime.device cuda). Default: the recipe's "
+            "launch.nproc_per_node; 1 encodes in this process.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Fill RECIPE's tensor cache ahead of training, in this one process.
+    """Fill RECIPE's tensor cache ahead of training, its samples shared among the ranks.
 
     The entry module defines build_cache(config) returning (cache, dataset, encode_fn[, keys]);
-    every sample the cache lacks is encoded, then hits, misses and bytes are printed.
+    every sample the cache lacks is encoded, then hits, misses and bytes (all ranks) are printed.
+    A build stopped midway keeps what it encoded: run it again to encode only the rest.
     """
-    from litegen_cli.cache_build import build_recipe_cache, report_table  # imports torch
+    from litegen_cli.cache_build import (  # imports torch
+        build_cache_on_ranks,
+        build_recipe_cache,
+        report_table,
+    )
 
     loaded = load_or_exit(recipe, overrides)
+    ranks = nproc or loaded.launch.nproc_per_node
     try:
-        report = build_recipe_cache(loaded, batch_size=batch_size)
+        if ranks == 1:
+            report = build_recipe_cache(loaded, batch_size=batch_size)
+        else:
+            report = build_cache_on_ranks(loaded, ranks, batch_size=batch_size)
     except ValueError as err:
         render.print_error("Cannot build the cache", [str(err)])
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except LaunchFailed as err:
+        again = "Run the same command again: what was cached is kept, the rest is encoded."
+        _report_failure(err, again, title="Cache build failed")
+        raise typer.Exit(err.exit_code) from None
     render.console.print(report_table(report))
 
 

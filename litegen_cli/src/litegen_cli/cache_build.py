@@ -5,25 +5,41 @@ The recipe's entry module defines the hook (see docs/cli.md)::
     def build_cache(config) -> tuple[TensorCache, dataset, encode_fn]          # or
     def build_cache(config) -> tuple[TensorCache, dataset, encode_fn, keys]
 
-and this module runs ``litegen.cache.fill_cache`` over the whole dataset in this one process
-(rank 0 of 1). torch is imported only when a cache is built, so the CLI stays fast.
+and ``litegen.cache.fill_cache`` encodes every sample the cache lacks. With one rank this
+process does it all (:func:`build_recipe_cache`). With N ranks the launcher of ``litegen
+launch`` starts them (:func:`build_cache_on_ranks`), each in the worker's cache-build mode
+(:func:`fill_rank_share`): rank r calls the hook on its own device and encodes samples
+``r, r + N, ...``; rank 0 gathers the counts into the report the CLI prints. torch is imported
+only when a cache is built, so the CLI stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from litegen_cli.recipe import Recipe
 
 HOOK = "build_cache"
+# The worker's command-line switch into cache-build mode: --cache-build REPORT --batch-size N.
+CACHE_BUILD_FLAG = "--cache-build"
+REPORT_NAME = "cache_report.json"
 
 
 @dataclass
 class CacheReport:
-    """What one fill did: ``misses`` samples encoded, ``hits`` found already cached."""
+    """What one fill did, over all its ranks: ``misses`` samples encoded, ``hits`` found
+    already cached, ``bytes_written`` summed; ``seconds`` of the slowest rank."""
 
     directory: str
     samples: int
@@ -33,6 +49,7 @@ class CacheReport:
     total_entries: int
     total_bytes: int
     seconds: float
+    ranks: int = 1
 
 
 def _unpack(
@@ -63,18 +80,15 @@ def _unpack(
     return cache, dataset, encode_fn, keys
 
 
-def build_recipe_cache(recipe: Recipe, batch_size: int = 64) -> CacheReport:
-    """Import the recipe's entry module, call its ``build_cache(config)`` hook and fill the cache.
+def load_hook(recipe: Recipe) -> Callable[[Any], Any]:
+    """The entry module's ``build_cache`` hook; ValueError (with the fix) when it has none.
 
-    Raises ValueError (saying how to fix it) when the entry has no hook or it returns
-    something unusable.
+    Cheap enough to check before any rank starts: the module is imported, the hook not called.
 
     Example::
 
-        report = build_recipe_cache(load_recipe("recipes/digits_latent_dit.yaml"))
-        report.misses, report.hits
+        hook = load_hook(load_recipe("recipes/digits_latent_dit.yaml"))
     """
-    from litegen.cache import fill_cache
     from litegen.entry import load_entry
 
     entry = recipe.launch.entry
@@ -86,22 +100,149 @@ def build_recipe_cache(recipe: Recipe, batch_size: int = 64) -> CacheReport:
             f"{HOOK}(config); add one returning (cache, dataset, encode_fn[, keys]) to fill "
             "its cache ahead of training (see docs/cli.md, `cache build`)."
         )
-    cache, dataset, encode_fn, keys = _unpack(hook(recipe.config), entry)
+    return hook
+
+
+def _fill_share(
+    parts: tuple[Any, Any, Callable[[list[Any]], Any], Sequence | None],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+) -> dict[str, float]:
+    """Encode this rank's share of what the cache lacks; its counts for the report."""
+    from litegen.cache import fill_cache
+
+    cache, dataset, encode_fn, keys = parts
     start = time.perf_counter()
-    # One process: rank 0 of 1 encodes everything the cache lacks.
-    encoded = fill_cache(
-        cache, dataset, encode_fn, keys=keys, batch_size=batch_size, rank=0, world_size=1
-    )
+    try:
+        encoded = fill_cache(
+            cache, dataset, encode_fn, keys=keys, batch_size=batch_size,
+            rank=rank, world_size=world_size,
+        )  # fmt: skip
+    except BaseException:
+        # Stopped midway (Ctrl-C, a stop, a sample that fails): keep what this rank already
+        # encoded, so the rerun encodes only the rest. The original error is the one to show.
+        with contextlib.suppress(Exception):
+            cache.flush()
+        raise
+    share = len(range(rank, len(dataset), world_size))
+    return {
+        "hits": share - encoded,
+        "misses": encoded,
+        "bytes_written": cache.stats.bytes_written,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _report(cache: Any, samples: int, shares: list[dict[str, float]]) -> CacheReport:
     return CacheReport(
         directory=str(cache.directory),
-        samples=len(dataset),
-        hits=len(dataset) - encoded,
-        misses=encoded,
-        bytes_written=cache.stats.bytes_written,
+        samples=samples,
+        hits=int(sum(s["hits"] for s in shares)),
+        misses=int(sum(s["misses"] for s in shares)),
+        bytes_written=int(sum(s["bytes_written"] for s in shares)),
         total_entries=len(cache),
         total_bytes=cache.total_bytes,
-        seconds=time.perf_counter() - start,
+        seconds=max(s["seconds"] for s in shares),
+        ranks=len(shares),
     )
+
+
+def build_recipe_cache(recipe: Recipe, batch_size: int = 64) -> CacheReport:
+    """Fill the recipe's cache in this one process (rank 0 of 1, no process group).
+
+    Raises ValueError (saying how to fix it) when the entry has no hook or it returns
+    something unusable.
+
+    Example::
+
+        report = build_recipe_cache(load_recipe("recipes/digits_latent_dit.yaml"))
+        report.misses, report.hits
+    """
+    parts = _unpack(load_hook(recipe)(recipe.config), recipe.launch.entry)
+    share = _fill_share(parts, batch_size, rank=0, world_size=1)
+    return _report(parts[0], len(parts[1]), [share])
+
+
+def build_cache_on_ranks(recipe: Recipe, nproc: int, batch_size: int = 64) -> CacheReport:
+    """Fill the recipe's cache with ``nproc`` ranks on this node, started as ``launch`` starts
+    them; returns their summed report.
+
+    Raises ValueError before any rank starts when the entry has no hook, and LaunchFailed
+    (one message, the exit code) when a rank fails.
+
+    Example::
+
+        build_cache_on_ranks(load_recipe("recipes/dit_imagenet.yaml"), nproc=8)
+    """
+    from litegen_cli.launcher import run_ranks, write_resolved_recipe
+
+    load_hook(recipe)
+    # This node only: a cache build is no multi-node job, and the cache takes any writers.
+    spec = recipe.launch.model_copy(update={"nproc_per_node": nproc, "nnodes": 1, "node_rank": 0})
+    on_this_node = dataclasses.replace(recipe, launch=spec)
+    # The resolved recipe and the report live in a private folder: the run folder is not ours.
+    folder = Path(tempfile.mkdtemp(prefix="litegen-cache-build-"))
+    try:
+        resolved = write_resolved_recipe(on_this_node, folder)
+        report = folder / REPORT_NAME
+        run_ranks(
+            on_this_node,
+            resolved,
+            [CACHE_BUILD_FLAG, str(report), "--batch-size", str(batch_size)],
+        )
+        return CacheReport(**json.loads(report.read_text(encoding="utf-8")))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def fill_rank_share(recipe: Recipe, batch_size: int, report: Path) -> None:
+    """One rank of :func:`build_cache_on_ranks` (the worker's cache-build mode).
+
+    Joins the process group on the recipe's ``runtime.device`` (CUDA: this local rank's GPU
+    becomes the current device before the hook loads its encoders), encodes this rank's share
+    and gathers every rank's counts; rank 0 writes the report to ``report``.
+
+    Example (what each rank runs)::
+
+        python -m litegen_cli.worker RESOLVED --cache-build REPORT --batch-size 64
+    """
+    import torch.distributed as dist
+
+    from litegen.runtime.distributed import DistEnv, init_process_group, resolve_device
+
+    config = recipe.config
+    env = DistEnv.from_environ()
+    init_process_group(config, env, resolve_device(config, env))
+    # torchrun stops the ranks with SIGTERM (another rank failed, the job was cancelled): as
+    # an exception it lets _fill_share keep what was encoded, then the rank ends by the signal.
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        parts = _unpack(load_hook(recipe)(config), recipe.launch.entry)
+        share = _fill_share(parts, batch_size, env.rank, env.world_size)
+        shares: list[Any] = [None] * env.world_size
+        dist.all_gather_object(shares, share)  # every rank has flushed its shards by now
+        if env.rank == 0:
+            cache = parts[0]
+            cache.refresh()  # the other ranks' shards, for the totals on disk
+            text = json.dumps(dataclasses.asdict(_report(cache, len(parts[1]), shares)))
+            tmp = report.with_suffix(".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, report)
+    except _Stopped:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    finally:  # a stop while the worker records an error ends the rank at once, as in `launch`
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Stopped(BaseException):
+    """SIGTERM received by a cache-build rank (BaseException: no ``except Exception`` eats it)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped(f"stopped by signal {signum}")
 
 
 def report_table(report: CacheReport):
@@ -120,6 +261,7 @@ def report_table(report: CacheReport):
     rows = [
         ("directory", report.directory),
         ("samples", str(report.samples)),
+        ("ranks", str(report.ranks)),
         ("hits (already cached)", str(report.hits)),
         ("misses (encoded now)", str(report.misses)),
         ("bytes written", f"{report.bytes_written} ({report.bytes_written / 2**20:.2f} MiB)"),

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -40,16 +41,20 @@ __all__ = [
     "RankFailure",
     "allocator_conf",
     "launch",
+    "run_ranks",
     "torchrun_args",
     "write_resolved_recipe",
 ]
 
 
-def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
+def torchrun_args(
+    spec: LaunchSpec, resolved_recipe: Path, worker_args: Sequence[str] = ()
+) -> list[str]:
     """Build the `torch.distributed.run` argument list for one node.
 
     One node uses a standalone c10d rendezvous on a free local port, so two single-node
     jobs on one machine never collide; several nodes meet at ``rdzv_endpoint``.
+    ``worker_args`` follow the resolved recipe on the worker's command line (its mode).
 
     >>> spec = LaunchSpec(entry="m", nnodes=2, node_rank=1, rdzv_endpoint="n1:29500")
     >>> torchrun_args(spec, Path("r.yaml"))[:4]
@@ -70,7 +75,7 @@ def torchrun_args(spec: LaunchSpec, resolved_recipe: Path) -> list[str]:
         "--nproc_per_node", str(spec.nproc_per_node),
         "--max_restarts", str(spec.max_restarts),
         "--monitor_interval", str(spec.monitor_interval),
-        "-m", WORKER_MODULE, str(resolved_recipe),
+        "-m", WORKER_MODULE, str(resolved_recipe), *worker_args,
     ]  # fmt: skip
 
 
@@ -140,7 +145,7 @@ def launch(recipe: Recipe) -> Path:
     if recipe.launch.node_rank != 0:  # node 0 owns the run folder and its resolved recipe
         private = Path(tempfile.mkdtemp(prefix=f"litegen-node{recipe.launch.node_rank}-"))
         try:
-            _run(recipe, write_resolved_recipe(recipe, private))
+            run_ranks(recipe, write_resolved_recipe(recipe, private))
         finally:
             shutil.rmtree(private, ignore_errors=True)
         return results / RESOLVED_NAME
@@ -151,7 +156,7 @@ def launch(recipe: Recipe) -> Path:
     pending = write_resolved_recipe(recipe, name=f".{RESOLVED_NAME}.{os.getpid()}.pending")
     keep = True
     try:
-        _run(recipe, pending)
+        run_ranks(recipe, pending)
     except LaunchFailed as err:
         keep = err.exit_code != EXIT_BAD_INPUT
         raise
@@ -177,8 +182,15 @@ def allocator_conf(config: MainConfig) -> str | None:
     return OFFLOAD_ALLOCATOR_CONF if any(s.memory.activation_offload for s in settings) else None
 
 
-def _run(recipe: Recipe, resolved: Path) -> None:
-    args = torchrun_args(recipe.launch, resolved)
+def run_ranks(recipe: Recipe, resolved: Path, worker_args: Sequence[str] = ()) -> None:
+    """Run torchrun for this node: ``recipe.launch`` ranks, each ``litegen_cli.worker resolved
+    *worker_args``; returns when every rank exited 0, raises LaunchFailed otherwise.
+
+    The one way ranks are started: ``launch`` trains through it, ``cache build`` fills a cache.
+
+    >>> run_ranks(recipe, write_resolved_recipe(recipe))  # doctest: +SKIP
+    """
+    args = torchrun_args(recipe.launch, resolved, worker_args)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
