@@ -188,7 +188,9 @@ def run_ranks(recipe: Recipe, resolved: Path, worker_args: Sequence[str] = ()) -
 
     The one way ranks are started: ``launch`` trains through it, ``cache build`` fills a cache.
 
-    >>> run_ranks(recipe, write_resolved_recipe(recipe))  # doctest: +SKIP
+    Example::
+
+        run_ranks(recipe, write_resolved_recipe(recipe))
     """
     args = torchrun_args(recipe.launch, resolved, worker_args)
 
