@@ -12,6 +12,7 @@ import litegen
 from litegen import experimental
 from litegen.config import ExperimentalConfig, MainConfig
 from litegen.experimental import TESTED_TORCH, Lab, available, torch_release
+from litegen.experimental.switches import SWITCHES, is_on
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +36,33 @@ def test_a_feature_runs_on_the_release_it_was_tested_on(monkeypatch):
     from litegen.experimental.master_adamw import one_pass_step
 
     assert optimizer._litegen_master_kernel is one_pass_step
+
+
+def test_the_config_has_one_field_per_switch_all_off_by_default():
+    names = [switch.name for switch in SWITCHES]
+    assert len(set(names)) == len(names)
+    assert set(ExperimentalConfig.model_fields) == set(names)
+    defaults = ExperimentalConfig()
+    assert [name for name in names if is_on(getattr(defaults, name))] == []
+
+
+def test_each_switch_names_a_hook_target_that_exists():
+    import importlib
+
+    for switch in SWITCHES:
+        module, attribute = switch.target.split(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), switch.name
+        assert switch.tested_torch, switch.name
+        if switch.hook == "module_swap":
+            assert switch.swaps and switch.absent, switch.name
+
+
+def test_compiled_blocks_get_a_context_only_for_a_switch_that_is_on(monkeypatch):
+    monkeypatch.setitem(TESTED_TORCH, "persistent_rows", (torch_release(),))
+    assert Lab(ExperimentalConfig()).block_contexts() == []
+    (context,) = Lab(ExperimentalConfig(persistent_rows=2048)).block_contexts()
+    with context():
+        pass
 
 
 def test_prepare_opens_the_door_only_when_asked(tmp_path, monkeypatch):

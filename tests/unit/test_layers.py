@@ -20,11 +20,11 @@ EXPERIMENTAL_DOOR = "runtime/litegen.py"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
     ("litegen.trainer", "litegen.entry", "litegen.export"),  # the loop around the user's step
-    (  # the trainer's instruments
-        "litegen.metrics",
+    (  # the trainer's instruments, under the loop though some live in its folder
+        "litegen.trainer.metrics",
         "litegen.loggers",
-        "litegen.loss_guard",
-        "litegen.readback",
+        "litegen.trainer.loss_guard",
+        "litegen.trainer.readback",
         "litegen.flops",
     ),
     # The LiteGen object: initialize, prepare, and its checkpoint half (a mixin of it).

@@ -2,7 +2,7 @@
 
 import json
 
-from litegen.metrics import MetricsLogger
+from litegen.trainer.metrics import MetricsLogger
 
 
 def steps_in(path):

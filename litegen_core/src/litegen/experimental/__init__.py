@@ -4,25 +4,17 @@ Each feature is switched on by ``optimization.experimental`` only, and runs only
 release it was tested on (:data:`TESTED_TORCH`); on any other release it steps aside with a
 one-line warning and the run continues with LiteGen's ordinary code. The core never imports
 this package: ``prepare`` (``litegen.runtime.litegen``) opens the door when a feature is set,
-and the features plug into the core's own extension points (a compiled block's context, the
-master-weight optimizer's kernel, a module swap).
-
-- ``persistent_rows``: one-pass Triton norms with fixed launch configs in compiled blocks
-  (:mod:`.row_reductions`; subclasses inductor's ``InductorChoices``);
-- ``fused_gelu_mlp``: the GELU of Linear-GELU-Linear MLPs in cuBLASLt's GEMM epilogues
-  (:mod:`.gelu_mlp`, :mod:`.mlp_fusion`; cuBLASLt through ctypes);
-- ``master_adamw``: FP32 master AdamW in one Triton pass for all parameters
-  (:mod:`.master_adamw`);
-- ``fused_wan_attention``: Wan's self-attention with one QKV GEMM and its query and key norms
-  and rotary embedding in one Triton pass (:mod:`.wan_attention`, :mod:`.qk_norm_rope`; a
-  diffusers processor swap).
+and the features plug into the core's own extension points (a module swap, a compiled block's
+context, the master-weight optimizer's kernel). Which feature plugs in where, and with which
+function, is the table :data:`litegen.experimental.switches.SWITCHES`; what each one does is
+in ``ExperimentalConfig`` and docs/performance.md.
 
 Example::
 
     from litegen.experimental import Lab
     lab = Lab(config.optimization.experimental, compile_options={})
     lab.swap_modules(model)                 # before checkpointing and compile
-    compile_blocks(model, cfg, block_contexts=[lab.block_context()])
+    compile_blocks(model, cfg, block_contexts=lab.block_contexts())
     lab.configure_optimizer(optimizer)      # after the strategy wrapped it
 """
 
@@ -38,33 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from litegen.experimental.switches import SWITCHES, Switch, is_on
+
 log = logging.getLogger("litegen")
 
 # feature -> the torch releases (major.minor) its kernels were tested on, on GPU.
-TESTED_TORCH: dict[str, tuple[str, ...]] = {
-    "persistent_rows": ("2.11",),
-    "fused_gelu_mlp": ("2.11",),
-    "master_adamw": ("2.11",),
-    "fused_wan_attention": ("2.11",),
-}
-
-
-# feature -> the module and function that swap a model's modules, what they swap, and what a
-# model without any lacks.
-_MODULE_SWAPS: dict[str, tuple[str, str, str, str]] = {
-    "fused_gelu_mlp": (
-        "litegen.experimental.mlp_fusion",
-        "apply_fused_gelu_mlp",
-        "GELU MLPs",
-        "no Linear-GELU(tanh)-Linear MLP that can be fused",
-    ),
-    "fused_wan_attention": (
-        "litegen.experimental.wan_attention",
-        "apply_fused_wan_attention",
-        "Wan self-attention layers",
-        "no diffusers Wan self-attention layer",
-    ),
-}
+TESTED_TORCH: dict[str, tuple[str, ...]] = {s.name: s.tested_torch for s in SWITCHES}
 
 
 def torch_release() -> str:
@@ -106,46 +77,57 @@ class Lab:
         self.settings = settings
         self.compile_options = compile_options or {}
 
+    def _running(self, hook: str) -> list[tuple[Switch, Any]]:
+        """The switches on ``hook`` that are on and may run here, with their hooks' targets."""
+        running = []
+        for switch in SWITCHES:
+            if switch.hook != hook or not is_on(getattr(self.settings, switch.name)):
+                continue
+            if available(switch.name):
+                running.append((switch, _load(switch.target)))
+        return running
+
     def swap_modules(self, model: nn.Module) -> int:
-        """Route the model's GELU MLPs and Wan self-attention layers through the fused ops.
+        """Route the model's modules through the fused ones its module swaps ask for.
 
         Returns how many modules were swapped.
         """
-        return sum(self._swap(model, feature) for feature in _MODULE_SWAPS)
+        return sum(
+            self._swap(model, switch, apply) for switch, apply in self._running("module_swap")
+        )
 
-    def _swap(self, model: nn.Module, feature: str) -> int:
-        if not getattr(self.settings, feature) or not available(feature):
-            return 0
-        module, function, swapped, none = _MODULE_SWAPS[feature]
-        fused = getattr(importlib.import_module(module), function)(model)
-        log.info("%s: %d %s fused", type(model).__name__, fused, swapped)
+    def _swap(self, model: nn.Module, switch: Switch, apply: Callable[[nn.Module], int]) -> int:
+        fused = apply(model)
+        log.info("%s: %d %s fused", type(model).__name__, fused, switch.swaps)
         if not fused:
             log.warning(
                 "optimization.experimental.%s: %s has %s (see docs/performance.md); nothing was "
                 "fused.",
-                feature,
+                switch.name,
                 type(model).__name__,
-                none,
+                switch.absent,
             )
         return fused
 
-    def block_context(self) -> Callable[[], AbstractContextManager] | None:
-        """What compiled blocks enter around each call (``persistent_rows``), or None."""
-        rows = self.settings.persistent_rows
-        if rows is None or not available("persistent_rows"):
-            return None
-        from litegen.experimental.row_reductions import persistent_rows_context
-
-        return persistent_rows_context(rows, self.compile_options)
+    def block_contexts(self) -> list[Callable[[], AbstractContextManager]]:
+        """What compiled blocks enter around each call: one per block-context switch on."""
+        return [
+            make(getattr(self.settings, switch.name), self.compile_options)
+            for switch, make in self._running("block_context")
+        ]
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step FP32 master weights with the one-pass kernel (``master_adamw``)."""
-        if not self.settings.master_adamw or not available("master_adamw"):
-            return
-        from litegen.experimental.master_adamw import one_pass_step
+        """Step FP32 master weights with the kernel of the master-step switch that is on."""
         from litegen.optim import set_master_step_kernel
 
-        set_master_step_kernel(optimizer, one_pass_step)
+        for _, kernel in self._running("master_step"):
+            set_master_step_kernel(optimizer, kernel)
 
 
-__all__ = ["TESTED_TORCH", "Lab", "available", "torch_release"]
+def _load(target: str) -> Any:
+    """The attribute a ``"module:attribute"`` target names (imported on first use)."""
+    module, attribute = target.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+__all__ = ["SWITCHES", "TESTED_TORCH", "Lab", "available", "torch_release"]

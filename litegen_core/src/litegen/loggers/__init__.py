@@ -1,8 +1,9 @@
 """Where metrics go besides ``metrics.jsonl``: TensorBoard and Weights & Biases (``trainer.loggers``).
 
-``metrics.jsonl`` is always written and is the source of truth (:class:`litegen.metrics.
-MetricsLogger`); each logger named in ``trainer.loggers`` gets the same scalars, and the sample
-images and videos (PNG, GIF) the ``sample`` hook produced. Rank 0 alone opens them.
+``metrics.jsonl`` is always written and is the source of truth
+(:class:`litegen.trainer.metrics.MetricsLogger`); each logger named in ``trainer.loggers`` gets
+the same scalars, and the sample images and videos (PNG, GIF) the ``sample`` hook produced.
+Rank 0 alone opens them.
 
 Example:
     >>> check_loggers(["jsonl", "tensorboard"])  # raises a ValueError naming the extra if missing

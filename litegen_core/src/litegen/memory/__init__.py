@@ -17,7 +17,7 @@ from torch import nn
 from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.memory.block_swap import BlockSwap, SwapStats
-from litegen.memory.budget import BudgetPlanner, Plan
+from litegen.memory.budget import BudgetPlan, BudgetPlanner
 from litegen.memory.checkpointing import (
     checkpoint_modules,
     is_checkpointed,
@@ -110,7 +110,7 @@ class MemoryReport:
             f"blocks (policy {self.policy}): {', '.join(self.checkpointed)}; {offload}"
         )
 
-    def _planned(self, plan: Plan) -> None:
+    def _planned(self, plan: BudgetPlan) -> None:
         self.checkpointed, self.offloaded = list(plan.checkpointed), list(plan.offloaded)
 
 

@@ -8,7 +8,6 @@ gen.save_model(step=1000)
 
 from __future__ import annotations
 
-import copy
 import logging
 from contextlib import AbstractContextManager
 from typing import Any
@@ -21,13 +20,10 @@ from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.data import prepare_data
 from litegen.ema import EMA
-from litegen.fp8_training import apply_fp8_training
-from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora, has_adapters, train_adapters
-from litegen.memory import BlockSwap, apply_memory_optimizations
 from litegen.parallel import ParallelPlan, build_strategy
-from litegen.precision import cast_model
 from litegen.runtime import distributed
+from litegen.runtime.model_pipeline import ModelPipeline
 from litegen.runtime.prepare import (
     PreparedModel,
     fqns_of,
@@ -75,8 +71,7 @@ class LiteGen(CheckpointAPI):
             )
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
-        self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 prepare
-        self._warned_inert = False  # activation checkpointing of no block, said once
+        self._pipeline = ModelPipeline(self.device, self.is_main_process)
         # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
         lora = config.optimization.lora
         self.lora_prefix = lora.prefix if lora is not None else "transformer"
@@ -110,16 +105,16 @@ class LiteGen(CheckpointAPI):
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
-        plan = ParallelPlan.build(
+        parallel_plan = ParallelPlan.build(
             optimization.parallel.strategy, optimization.parallel, self.env, self.device
         )
-        if plan.sp_size != self.plan.sp_size:
+        if parallel_plan.sp_size != self.plan.sp_size:
             raise ValueError(
-                f"optimization profile {profile!r} sets parallel.sp_size={plan.sp_size}, but the "
-                f"job's data loading was planned for sp_size={self.plan.sp_size}; use one "
-                "sp_size for every profile."
+                f"optimization profile {profile!r} sets parallel.sp_size="
+                f"{parallel_plan.sp_size}, but the job's data loading was planned for "
+                f"sp_size={self.plan.sp_size}; use one sp_size for every profile."
             )
-        strategy = build_strategy(plan, optimization)
+        strategy = build_strategy(parallel_plan, optimization)
         results: list[Any] = list(objects)
         raw_models = [obj for obj, kind in zip(objects, kinds, strict=True) if kind == "model"]
         model_slots = [i for i, kind in enumerate(kinds) if kind == "model"]
@@ -141,7 +136,14 @@ class LiteGen(CheckpointAPI):
         lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model, train in zip(model_slots, raw_models, trained, strict=True):
-            entry = self._prepare_model(model, train, strategy, optimization, lab)
+            entry = self._pipeline.prepare(
+                model,
+                strategy,
+                optimization,
+                trained=train,
+                lab=lab,
+                ema_copy=train and strategy.ema_from_copy and self._ema_target_pending(),
+            )
             prepared.append(entry)
             self.models.append(entry)
             results[slot] = entry.module
@@ -195,129 +197,6 @@ class LiteGen(CheckpointAPI):
         entry.ema_template = None
         if ema_cfg.resume_from:
             self._load_ema(entry, ema_cfg.resume_from)
-
-    def _prepare_model(
-        self, model: nn.Module, trained: bool, strategy, optimization, lab
-    ) -> PreparedModel:
-        precision = optimization.precision
-        if precision.cast_model:
-            cast_model(model, precision.cast_model, precision.cast_exclude_paths)
-        if optimization.kernels.fused_layernorm:
-            from litegen.kernels import apply_fused_layernorm
-
-            apply_fused_layernorm(model)
-        if lab is not None:
-            lab.swap_modules(model)
-        if trained:
-            lora = optimization.lora
-            if lora is not None and lora.fp8_base is not None and has_adapters(model):
-                # After cast_model (the layers dequantise to the cast dtype), before the wrap
-                # moves the model to the device.
-                stored = store_frozen_linears_in_fp8(model, lora.fp8_base)
-                log.info("%s: %d frozen Linear weights in fp8", type(model).__name__, len(stored))
-            if precision.fp8_linear is not None:  # after fp8_base: its layers are not nn.Linear
-                converted = apply_fp8_training(model, precision.fp8_linear, self.device)
-                log.info("%s: %d Linear layers train in fp8", type(model).__name__, converted)
-            template = None
-            if strategy.ema_from_copy and self._ema_target_pending():
-                # Taken before checkpointing and compile touch the blocks: the EMA copy only
-                # holds weights and never runs forward.
-                template = copy.deepcopy(model)
-            if strategy.plan.sp_size > 1:
-                self._apply_sequence_parallel(model, strategy.plan)
-            # Block swap patches the blocks' forward first, so that checkpointing wraps it and
-            # its recompute fetches the weights again (litegen/memory/block_swap.py).
-            swap = None
-            if optimization.memory.block_swap is not None:
-                swap = BlockSwap(
-                    model, optimization.memory.block_swap.blocks_on_device, self.device
-                )
-            # Checkpointing patches blocks in place before the strategy wraps (or shards) them.
-            memory = apply_memory_optimizations(
-                model,
-                optimization.memory,
-                candidates=strategy.checkpoint_candidates(model),
-                device=self.device,
-            )
-            self._warn_inert_checkpointing(model, optimization, memory)
-            # policy memory_budget without compile was refused with the config (config/checks).
-            if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
-                log.info("%s: %s", type(model).__name__, memory.describe())
-            if optimization.compile.enabled:
-                # After checkpointing (compiled inside each block's BlockForward) and before the
-                # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
-                from litegen.compile import compile_blocks
-
-                compiled = compile_blocks(
-                    model,
-                    optimization.compile,
-                    memory_budget=memory.memory_budget,
-                    block_contexts=self._compiled_block_contexts(strategy, lab),
-                )
-                log.info("%s: compiled %d block(s)", type(model).__name__, len(compiled))
-            wrapped = strategy.wrap_model(model)
-            if swap is not None:  # the model is on the device once, wrapped; now move out
-                swap.to_host()
-                memory.block_swap = swap
-                log.info(
-                    "%s: block swap: frozen weights of %d of %d blocks in host memory",
-                    type(model).__name__,
-                    len(swap.swapped),
-                    len(swap.blocks),
-                )
-            return PreparedModel(
-                wrapped, strategy, trainable=True, ema_template=template, memory=memory
-            )
-        return PreparedModel(strategy.wrap_frozen_model(model), strategy, trainable=False)
-
-    def _warn_inert_checkpointing(self, model: nn.Module, optimization, memory) -> None:
-        """Once per job, on rank 0: checkpointing is on and checkpoints no block (the config's
-        own warning said so when it loaded; this names the model and its block count)."""
-        inert = optimization.memory.activation_checkpoint.checkpoints_nothing()
-        if inert is None or not memory.candidates or self._warned_inert:
-            return
-        self._warned_inert = True
-        if self.is_main_process:
-            log.warning(
-                "%s: activation checkpointing of 0 of %d blocks. %s",
-                type(model).__name__,
-                len(memory.candidates),
-                inert,
-            )
-
-    def _apply_sequence_parallel(self, model: nn.Module, plan: ParallelPlan) -> None:
-        """Install the model's sequence-parallel plan, before checkpointing, compile and wrap.
-
-        Its split and gather are hooks on module calls, which run outside the blocks' patched
-        ``forward`` (checkpoint, compile): a checkpointed block saves only its shard of the
-        sequence, and the collectives at the block boundaries stay out of compiled graphs. Its
-        attention wrappers sit inside the blocks, where recomputation and compile see them.
-        The plan names the user's module paths, before a wrapper renames them.
-        """
-        from litegen.parallel.mesh import sp_mesh
-        from litegen.parallel.sequence import apply_sequence_parallel, plan_for
-
-        if self._sp_group is None:
-            self._sp_group = sp_mesh(plan).get_group("sp")
-        apply_sequence_parallel(model, plan_for(model), self._sp_group)
-        log.info(
-            "%s: sequence parallel over %d ranks (data parallel over %d groups)",
-            type(model).__name__,
-            plan.sp_size,
-            plan.dp_size,
-        )
-
-    @staticmethod
-    def _compiled_block_contexts(strategy, lab) -> list[Any]:
-        """What each compiled block enters around its calls (``compile_blocks``)."""
-        contexts = []
-        if strategy.plan.sp_size > 1:
-            from litegen.parallel.sequence import compile_context
-
-            contexts.append(compile_context)
-        if lab is not None and (rows := lab.block_context()) is not None:
-            contexts.append(rows)
-        return contexts
 
     def _prepare_data(self, data: Any) -> Any:
         """A dataset or DataLoader becomes the job's loader (litegen/data/loader.py's table)."""

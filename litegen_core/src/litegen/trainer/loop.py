@@ -24,15 +24,15 @@ from litegen.checkpoint.save_checks import last_good_note
 from litegen.data import to_device
 from litegen.flops import StepThroughput
 from litegen.loggers import check_loggers
-from litegen.loss_guard import LossGuard
 from litegen.memory.stats import peak_memory_since_last_call
-from litegen.metrics import MetricsLogger
-from litegen.readback import Readback
 from litegen.runtime.litegen import LiteGen
 from litegen.trainer.checkpoints import RunCheckpoints
 from litegen.trainer.hints import cast_model_hint
 from litegen.trainer.hooks import TrainingHooks, keyword_filter
+from litegen.trainer.loss_guard import LossGuard
+from litegen.trainer.metrics import MetricsLogger
 from litegen.trainer.profiling import StepProfiler
+from litegen.trainer.readback import Readback
 
 log = logging.getLogger("litegen")
 
@@ -244,7 +244,7 @@ class Trainer(RunCheckpoints):
             self._restore_after_iter = None
         with self._metrics_logger() as metrics:
             # Logged values reach the host behind the step's kernels and are written once they
-            # have arrived (litegen/readback.py): a logged step makes the host wait for nothing.
+            # have arrived (trainer/readback.py): a logged step makes the host wait for nothing.
             pending = Readback(self.gen.device)
             window = (pending.start_time, self.step)  # the time and step of the last record
             try:
@@ -326,7 +326,7 @@ class Trainer(RunCheckpoints):
         """Write the queued records that have arrived; returns the last one's (time, step).
 
         Throughput is over the steps since the previous record, timed by when the device
-        finished each logged step (no host sync: litegen/readback.py).
+        finished each logged step (no host sync: trainer/readback.py).
         """
         for (step, lr, host), device_values, when in pending.ready(wait=wait):
             mean_loss, *grad_norm = device_values
