@@ -176,7 +176,8 @@ class ExperimentalConfig(Section):
     """Kernels that patch private or beta APIs (``optimization.experimental``), all off.
 
     Each runs only on the torch release it was tested on and otherwise steps aside with a
-    one-line warning (``litegen.experimental``).
+    one-line warning (``litegen.experimental``). One field per row of
+    ``litegen.experimental.switches.SWITCHES``, off by default (tests/unit/test_experimental.py).
     """
 
     persistent_rows: int | None = Field(None, ge=1)
