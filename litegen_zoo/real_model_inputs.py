@@ -5,8 +5,8 @@ synthetic conditions of a batch (text embeddings, masks, pooled projections, cla
 ``<name>_run(model, config, noisy, t, batch)`` calls the model's ``forward`` the way its
 pipeline does and returns the prediction in the latents' layout.
 
-:class:`LatentShape` (one sample's latent size) lives here, below ``real_models.py``, which
-imports this module and never the other way round.
+:class:`LatentShape` (one sample's latent size) lives here, below ``real_model_spec.py`` and
+``real_models.py``, which import this module and never the other way round.
 
 Example:
     >>> batch = {"labels": torch.zeros(2, dtype=torch.long)}

@@ -32,22 +32,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from litegen.config.strategies import STRATEGIES, TABLE
 from litegen.runtime.distributed import DistEnv
 from litegen_zoo.dit_model import DiTConfig
 from scripts.bench.bench_dit import (
-    LiteGenRunner,
     fmt,
     for_each_strategy,
-    make_batch,
     measure,
     parser,
     print_table,
-    release,
     setup,
 )
+from scripts.bench.dit_runners import LiteGenRunner, make_batch
+from scripts.timing import release
 
-STRATEGIES = ("ddp", "zero1", "fsdp2")
-HSDP_STRATEGIES = ("hsdp", "fsdp2")  # fsdp2 on the same GPUs, in the same process group
+# What a plain launch measures, a choice of this benchmark (any name of the table can be passed
+# with --strategies): the replicated, the optimizer-sharded and the fully sharded strategy.
+SCALED = ("ddp", "zero1", "fsdp2")
+# An --hsdp launch: each strategy that needs several nodes, then the one it stands for on one node
+# (fsdp2 for hsdp), measured on the same GPUs in the same process group.
+MULTI_NODE = tuple(
+    dict.fromkeys(name for row in TABLE if row.min_nodes > 1 for name in (row.name, row.one_node))
+)
 TARGET_EFFICIENCY = 0.95  # the target: fsdp2 at 8 GPUs keeps >= 95% of its 1-GPU tokens/s
 
 
@@ -110,7 +116,7 @@ def bench(args: Namespace) -> int:
     world = shape["world_size"]
     if args.loss_batch % world:
         raise SystemExit(f"--loss-batch {args.loss_batch} must be a multiple of {world} ranks")
-    strategies = args.strategies or (HSDP_STRATEGIES if args.hsdp else STRATEGIES)
+    strategies = args.strategies or (MULTI_NODE if args.hsdp else SCALED)
     rows, failures = for_each_strategy(
         args, strategies, lambda: run_strategy(args, cfg, tokens, device, world)
     )
@@ -170,15 +176,16 @@ def summarize(paths: list[Path], rtol: float) -> int:
         f"{'/fsdp2':>8}{'loss vs ddp':>12}{'vs ddp@1':>10}  loss ok"
     )
     bad = 0
-    order = [*STRATEGIES, "hsdp"]
+    order = list(STRATEGIES)  # the table's order
     keys = sorted(by_key, key=lambda k: (k[1], k[2], order.index(k[0])))
     for strategy, n, nodes in keys:
         row = by_key[strategy, n, nodes]
         base = one_gpu.get(strategy)
         eff = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
-        # HSDP against fsdp2 measured in the same two-node process group (same GPUs).
-        fsdp2 = by_key.get(("fsdp2", n, nodes)) if strategy == "hsdp" else None
-        vs_fsdp2 = row["tokens_per_s_per_gpu"] / fsdp2["tokens_per_s_per_gpu"] if fsdp2 else None
+        # HSDP against its one-node strategy (fsdp2) in the same two-node process group.
+        one_node = STRATEGIES[strategy].one_node
+        paired = by_key.get((one_node, n, nodes)) if one_node else None
+        vs_fsdp2 = row["tokens_per_s_per_gpu"] / paired["tokens_per_s_per_gpu"] if paired else None
         same = max_rel_diff(row["losses"], ddp[n]["losses"]) if n in ddp else None
         first = max_rel_diff(row["losses"], ddp[1]["losses"]) if 1 in ddp else None
         checked = [d for d in (same, first) if d is not None]
@@ -206,7 +213,7 @@ def summarize(paths: list[Path], rtol: float) -> int:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--strategies", nargs="*", choices=(*STRATEGIES, "hsdp"), help="override")
+    p.add_argument("--strategies", nargs="*", choices=tuple(STRATEGIES), help="override")
     p.add_argument("--hsdp", action="store_true", help="hsdp and fsdp2 (needs >= 2 nodes)")
     p.add_argument("--loss-steps", type=int, default=20, help="steps of the loss check")
     p.add_argument("--loss-batch", type=int, default=8, help="global batch of the loss check")

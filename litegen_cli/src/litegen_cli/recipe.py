@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
 from litegen.config.checks import IgnoredOptionWarning, ignored_options
-from litegen.config.strategies import job_shape_problems
+from litegen.config.strategies import global_batch_problems, job_shape_problems
 from litegen_cli.entry_check import entry_problems
 from litegen_cli.slurm import apply_slurm_env
 
@@ -188,18 +188,14 @@ def layout_problems(*, world: int, sp: int, cp: int, accum: int, global_batch: i
     """The rank layout and batch arithmetic's problems, one line each.
 
     >>> layout_problems(world=2, sp=1, cp=1, accum=1, global_batch=3)
-    ["field 'global_batch_size': 3 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 1 = 2"]
+    ["field 'global_batch_size': 3 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 1 = 2; use a multiple of 2"]
     """
-    # The rules on ranks and nodes are the core's (the strategy's own: plan.runtime_refusals).
+    # The rules are the core's (the strategy's own: plan.runtime_refusals).
     shape = job_shape_problems(world_size=world, nnodes=1, sp_size=sp, cp_size=cp)
-    problems = [str(problem) for problem in shape]
-    dp = max(world // sp, 1)
-    if global_batch % (dp * accum):
-        problems.append(
-            f"field 'global_batch_size': {global_batch} is not divisible by data-parallel size "
-            f"{dp} * trainer.grad_accum_steps {accum} = {dp * accum}"
-        )
-    return problems
+    batch = global_batch_problems(
+        global_batch_size=global_batch, dp_size=max(world // sp, 1), grad_accum_steps=accum
+    )
+    return [str(problem) for problem in [*shape, *batch]]
 
 
 def _raw_layout_problems(data: dict[str, Any], launch: dict[str, Any]) -> list[str]:

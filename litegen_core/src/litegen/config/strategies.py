@@ -3,8 +3,9 @@
 One :class:`StrategyRow` per name of ``optimization.parallel.strategy``. The config's
 ``strategy`` field, the options a strategy ignores (:data:`STRATEGY_OPTIONS`), the registry of
 :mod:`litegen.parallel`, a strategy object's ``master_weights``/``ema_from_copy``/
-``shards_parameters``, the rules on the job's shape (:func:`job_shape_problems`) and on a
-strategy's own options (:func:`requirement_problems`), ``litegen inspect-config`` and the table
+``shards_parameters``, the rules on the job's shape (:func:`job_shape_problems`, beside the
+rule on the global batch, :func:`global_batch_problems`) and on a strategy's own options
+(:func:`requirement_problems`), ``litegen inspect-config`` and the table
 in docs/strategies.md all read it. A new strategy is its module and one row here.
 
 Like the rest of :mod:`litegen.config`, this module never imports torch.
@@ -267,6 +268,30 @@ def job_shape_problems(
             )
         )
     return problems
+
+
+def global_batch_problems(
+    *, global_batch_size: int, dp_size: int, grad_accum_steps: int
+) -> list[Problem]:
+    """The rule that splits a step's samples: ``global_batch_size`` divides evenly into
+    ``dp_size`` data-parallel ranks times ``grad_accum_steps`` micro-steps.
+
+    ``inspect-config`` and ``launch`` list it from the recipe; ``litegen.initialize`` raises it.
+
+    >>> [str(p) for p in global_batch_problems(global_batch_size=6, dp_size=2, grad_accum_steps=2)]
+    ["field 'global_batch_size': 6 is not divisible by data-parallel size 2 * trainer.grad_accum_steps 2 = 4; use a multiple of 4"]
+    """
+    per_step = dp_size * grad_accum_steps
+    if global_batch_size % per_step == 0:
+        return []
+    return [
+        Problem(
+            "global_batch_size",
+            f"{global_batch_size} is not divisible by data-parallel size {dp_size} * "
+            f"trainer.grad_accum_steps {grad_accum_steps} = {per_step}; use a multiple of "
+            f"{per_step}",
+        )
+    ]
 
 
 def _value(section: Any, dotted: str) -> Any:

@@ -18,6 +18,7 @@ from torch import nn
 
 from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
+from litegen.config.strategies import global_batch_problems
 from litegen.data import prepare_data
 from litegen.ema import EMA
 from litegen.lora import apply_lora, has_adapters, train_adapters
@@ -63,12 +64,13 @@ class LiteGen(CheckpointAPI):
             self.env,
             self.device,
         )
-        dp = self.plan.dp_size
-        if config.global_batch_size % dp:
-            raise ValueError(
-                f"global_batch_size={config.global_batch_size} must be a multiple of the "
-                f"data-parallel size {dp}; pick a multiple of {dp}."
-            )
+        batch = global_batch_problems(
+            global_batch_size=config.global_batch_size,
+            dp_size=self.plan.dp_size,
+            grad_accum_steps=config.trainer.grad_accum_steps,
+        )
+        if batch:
+            raise ValueError(f"{batch[0]}.")
         self.models: list[PreparedModel] = []
         self.ema: EMA | None = None
         self._pipeline = ModelPipeline(self.device, self.is_main_process)
