@@ -8,6 +8,7 @@ import tempfile
 import pytest
 import torch
 
+from litegen.config.strategies import STRATEGIES, names_where
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model
 
@@ -59,9 +60,9 @@ def sample_after_validate(strategy: str) -> list[tuple[int, float]]:
     return {"seen": seen, "after": after, "ema_keys": len(ema)}
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "fsdp1", "zero1", "zero2", "ddp"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_sampling_from_the_ema_right_after_validation(strategy):
-    world = 4 if strategy == "hsdp" else 2  # hsdp: 2 simulated nodes of 2 ranks
+    world = 2 * STRATEGIES[strategy].min_nodes  # 2 ranks a (simulated) node
     ranks = run_ranks(sample_after_validate, world, strategy, local_world_size=2)
     assert [step for step, _ in ranks[0]["seen"]] == [2]
     assert ranks[0]["seen"][0][1] != ranks[0]["after"]  # the EMA weights, not the model's
@@ -104,7 +105,9 @@ def losses_around_an_ema_sample(strategy: str, sample_every: int) -> list[float]
     return losses
 
 
-@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize(
+    "strategy", names_where(lambda row: row.shards_parameters and row.min_nodes == 1)
+)
 def test_sampling_from_the_ema_leaves_the_following_losses_alone(strategy):
     # fsdp1 keeps the root unit's gathered weights after a no-grad forward: the sample's
     # forward must not leave the EMA's there for the next training step.
