@@ -9,14 +9,13 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from litegen.cache import TensorCache, fingerprint
+from tests.cache_entry import make_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -105,55 +104,16 @@ def test_two_ranks_fill_the_cache_one_process_fills(tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").glob("*/*.safetensors")) == shards
 
 
-# 12 vectors "encoded" by doubling them, batch by batch; sample FAIL_ON cannot be encoded.
-# Each encode call appends its batch size to calls.txt.
-ENTRY = """
-import torch
-from pathlib import Path
-from litegen.cache import TensorCache, fingerprint
-
-def build(config): ...
-def train_step(batch): ...
-
-def build_cache(config):
-    cache = TensorCache(config.cache_root, fingerprint(None, version=1), dtype=None)
-    dataset = [torch.full((3,), float(i)) for i in range(12)]
-    calls = Path(config.cache_root) / "calls.txt"
-
-    def encode_fn(samples):
-        if any(int(s[0]) == config.fail_on for s in samples):
-            raise RuntimeError(f"cannot encode sample {config.fail_on}")
-        with calls.open("a") as fh:
-            fh.write(f"{len(samples)}\\n")
-        return {"z": torch.stack(samples) * 2}
-
-    return cache, dataset, encode_fn
-"""
-
-
 def test_a_failed_build_resumes_encoding_only_what_is_missing(tmp_path):
-    entry = tmp_path / "failing_entry.py"
-    entry.write_text(textwrap.dedent(ENTRY))
+    recipe = make_recipe(tmp_path)  # 2 ranks on the CPU
     cache_root = tmp_path / "cache"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        yaml.safe_dump({
-            "launch": {"entry": entry.name, "nproc_per_node": 2},
-            "exp_name": "failing",
-            "results_dir": str(tmp_path / "results"),
-            "runtime": {"device": "cpu", "distributed": {"backend": "gloo"}},
-            "global_batch_size": 4,
-            "cache_root": str(cache_root),
-            "fail_on": 9,
-        })
-    )  # fmt: skip
 
     def encoded() -> int:
         calls = cache_root / "calls.txt"
         return sum(int(n) for n in calls.read_text().split()) if calls.exists() else 0
 
     # Rank 1 encodes [1, 3], [5, 7], then fails on [9, 11]; what it encoded is kept.
-    code, out = cache_build(recipe, "--batch-size", "2", cwd=tmp_path)
+    code, out = cache_build(recipe, "fail_on=9", "--batch-size", "2", cwd=tmp_path)
     assert code == 1, out[-4000:]
     flat = " ".join(out.split())
     assert "Cache build failed" in flat
