@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from litegen.cache import TensorCache, fingerprint
+from litegen.entry import load_entry
 from tests.cache_entry import make_recipe
 
 pytestmark = pytest.mark.slow
@@ -54,11 +55,7 @@ def contents(root: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_two_ranks_fill_the_cache_one_process_fills(tmp_path):
-    sys.path.insert(0, str(RECIPES))
-    try:
-        from digits_autoencoder import DigitsAutoencoder
-    finally:
-        sys.path.remove(str(RECIPES))
+    DigitsAutoencoder = load_entry(str(RECIPES / "digits_autoencoder.py")).DigitsAutoencoder
     # Untrained weights encode as deterministically as trained ones, without stage 1's run.
     torch.manual_seed(0)
     checkpoint = tmp_path / "autoencoder.pth"
