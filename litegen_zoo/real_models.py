@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from litegen_zoo.real_model_inputs import (
     Batch,
     LatentShape,
@@ -338,3 +340,13 @@ REAL_MODELS: dict[str, RealModel] = {
         ),
     )
 }
+
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: Wan's classes and inputs at 40 blocks of width 5120; its
+# reference shape, 81 frames at 720x1280, is 75,600 tokens.
+REAL_MODELS["wan_14b"] = replace(
+    REAL_MODELS["wan"],
+    name="wan_14b",
+    reference=REAL_MODELS["wan"].reference
+    | {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
+    reference_shape=LatentShape(90, 160, frames=21, text_tokens=512),
+)

@@ -58,7 +58,7 @@ def test_a_lora_models_frozen_linears_become_fp8_and_the_adapters_train():
     assert "blocks.0.mlp.0.base_layer" in replaced and "embed" in replaced
     assert not [p for p in replaced if "lora_" in p]  # adapters keep their dtype
     base = model.blocks[0].mlp[0].base_layer
-    assert base.fp8.dtype == torch.float8_e4m3fn and base.weight_fp8.dtype == torch.uint8
+    assert base.fp8.dtype == torch.float8_e4m3fn and base.weight_fp8.dtype == torch.int8
     assert base.weight.dtype == torch.float32  # what models that probe their dtype read
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     data = torch.randn(8, 4, 8)
@@ -82,3 +82,31 @@ def test_the_docs_large_base_config_loads():
     optimization = MainConfig.from_dict(yaml.safe_load(text)).optimization
     assert optimization.lora.fp8_base == "rowwise"
     assert optimization.memory.block_swap.blocks_on_device == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_diffusers_wan_with_an_fp8_base_computes_what_its_dequantised_base_does(dtype):
+    """Wan's time embedder casts its input to its first parameter's dtype: the FP8 bits must not
+    be taken for it, and each layer's input must meet its weight's dtype (no autocast here)."""
+    from litegen_zoo.real_models import REAL_MODELS
+
+    spec = REAL_MODELS["wan"]
+    lora = LoRAConfig(rank=4, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    stored = apply_lora(spec.build("tiny", seed=0), lora).to(dtype)
+    replaced = store_frozen_linears_in_fp8(stored, "rowwise")
+    assert "condition_embedder.time_embedder.linear_1" in replaced
+    reference = apply_lora(spec.build("tiny", seed=0), lora).to(dtype)
+    with torch.no_grad():  # the same function: each frozen weight set to its dequantised value
+        for path in replaced:
+            reference.get_submodule(path).weight.copy_(stored.get_submodule(path).dequantized())
+    batch = spec.batch("tiny", batch_size=2, seed=0)
+    losses = [spec.loss(model, batch) for model in (stored, reference)]
+    torch.testing.assert_close(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    grads = [
+        [p.grad for n, p in model.named_parameters() if "lora_" in n]
+        for model in (stored, reference)
+    ]
+    assert all(g is not None for g in grads[0])
+    torch.testing.assert_close(grads[0], grads[1])

@@ -6,10 +6,13 @@
 FP32 scale per tensor (``tensorwise``) or per output row (``rowwise``), and dequantised to the
 layer's original dtype at each use, one layer at a time. Backward saves the FP8 weight, not the
 dequantised one, and dequantises it again for the input's gradient, so no full-precision copy
-of a frozen weight outlives its layer's call. The FP8 bits are a frozen ``uint8`` parameter
+of a frozen weight outlives its layer's call. The FP8 bits are a frozen ``int8`` parameter
 (``weight_fp8``; the scale is the buffer ``weight_scale``), so dtype casts pass them by, DDP
 broadcasts them, and block swap (:mod:`litegen.memory.block_swap`) streams them at one byte
-per element; ``layer.weight`` is the dequantised weight, for code that reads its dtype.
+per element. ``int8`` is the dtype diffusers' models take for quantized storage: where they
+cast an input to their first parameter's dtype (Wan's time embedder), they leave it alone.
+The layer casts its input to the weight's dtype, as the layer it replaces would have needed;
+``layer.weight`` is the dequantised weight, for code that reads its dtype.
 
 E4M3 keeps 3 mantissa bits: a weight comes back within 2^-4 of its value relative, or within
 2^-9 of its scale for values too small for a normal FP8 number.
@@ -86,9 +89,10 @@ class FP8Linear(nn.Module):
         self.compute_dtype = linear.weight.dtype
         self.scaling = scaling
         fp8, scale = quantize(linear.weight, scaling)
-        # The FP8 bits as uint8: not a floating-point tensor, so dtype casts (cast_model,
-        # .to(dtype)) leave it alone and models that read their parameters' dtype never see it.
-        self.weight_fp8 = nn.Parameter(fp8.view(torch.uint8), requires_grad=False)
+        # The FP8 bits as int8: not a floating-point tensor, so dtype casts (cast_model,
+        # .to(dtype)) leave it alone, and the dtype diffusers' models skip when they cast an
+        # input to their first parameter's dtype.
+        self.weight_fp8 = nn.Parameter(fp8.view(torch.int8), requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
 
@@ -111,6 +115,8 @@ class FP8Linear(nn.Module):
         return dequantize(self.fp8, self.weight_scale, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.compute_dtype)
         if not torch.is_grad_enabled() or not x.requires_grad:  # nothing saved for backward
             return F.linear(x, self.dequantized(), self.bias)
         return _FP8LinearFunction.apply(
