@@ -1,6 +1,7 @@
 """Block swap and FP8 base weights through ``prepare`` on gloo ranks (ddp, 2 ranks and 1):
 the same losses and weights as the same LoRA run without block swap, with checkpointing on some
-blocks; with FP8 bases, losses close to full precision's and fewer bytes streamed."""
+blocks; with FP8 bases, losses close to full precision's and fewer bytes streamed. With both and
+``selective_ratio: auto``, the same training as the fixed plan the planner chose."""
 
 from __future__ import annotations
 
@@ -62,3 +63,54 @@ def test_on_1_rank_block_swap_changes_nothing_and_fp8_bases_stream_fewer_bytes()
     assert fp8["losses"] != plain["losses"]  # the weights did change
     assert fp8["fetches"] == swapped["fetches"]
     assert fp8["bytes"] < 0.6 * swapped["bytes"]  # the Linear weights: 1 byte instead of 4
+
+
+def auto_suite() -> dict:
+    """Block swap, FP8 bases and ``selective_ratio: auto``, then the plan it chose fixed."""
+    lora = LORA | {"fp8_base": "rowwise"}
+
+    def run(checkpoint: dict) -> dict:
+        memory = {"block_swap": {"blocks_on_device": 1}, "activation_checkpoint": checkpoint}
+        gen, model, losses = train_tiny(
+            {"max_steps": 3, "optimization": {"lora": lora, "memory": memory}}
+        )
+        report = gen.models[-1].memory
+        plan = report.planner.plan if report.planner is not None else None
+        weights = full_weights(gen, model)
+        return {"report": report, "plan": plan, "losses": losses, "weights": weights}
+
+    def auto(budget_bytes: float) -> dict:
+        gib = budget_bytes / 2**30
+        return {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": gib}
+
+    all_in = run(auto(1))["plan"].estimate_bytes  # nothing fits: the smallest estimate
+    all_out = run(auto(2**40))["plan"].estimate_bytes
+    planned = run(auto(all_in + 0.75 * (all_out - all_in)))  # room for two blocks' activations
+    chosen = planned["report"].checkpointed
+    reference = run({"enabled": True, "selective_ratio": 0.0, "target_paths": chosen})
+    return {
+        "chosen": chosen,
+        "swapped": planned["report"].block_swap.swapped,
+        "described": planned["report"].describe(),
+        "fixed": reference["report"].checkpointed,
+        "fetches": [r["report"].block_swap.stats.fetches for r in (planned, reference)],
+        "losses": (planned["losses"], reference["losses"]),
+        "weights": (planned["weights"], reference["weights"]),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_auto_with_block_swap_and_fp8_bases_trains_as_its_fixed_plan(world_size):
+    results = run_ranks(auto_suite, world_size)
+    runs = results[0]
+    assert all(r["chosen"] == runs["chosen"] for r in results)  # every rank plans alike
+    assert len(runs["chosen"]) == 1 and runs["fixed"] == runs["chosen"]
+    assert set(runs["swapped"]) - set(runs["chosen"])  # a swapped block keeps its activations
+    assert ", ".join(runs["chosen"]) in runs["described"]
+    planned, fixed = runs["losses"]
+    assert planned == fixed
+    assert runs["fetches"][0] == runs["fetches"][1]  # measuring fetched nothing twice
+    planned, fixed = runs["weights"]
+    assert sorted(planned) == sorted(fixed)
+    for name, value in fixed.items():
+        assert planned[name].equal(value), name

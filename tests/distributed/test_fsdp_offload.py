@@ -1,5 +1,6 @@
 """FSDP2 with ``parallel.fsdp2.cpu_offload``: the same training as on the device, on 2 and 1
-gloo ranks, with every sharded parameter held by the offload policy between steps."""
+gloo ranks, with every sharded parameter held by the offload policy between steps; with
+``selective_ratio: auto``, the same training as the fixed plan the planner chose."""
 
 from __future__ import annotations
 
@@ -60,3 +61,47 @@ def test_cpu_offload_trains_as_on_the_device(world_size, tmp_path):
     assert offloaded["losses"] == pytest.approx(on_device["losses"], rel=1e-5)
     assert_same_weights(offloaded["state"], on_device["state"], rtol=1e-5, atol=1e-6)
     assert_same_weights(offloaded["grads"], on_device["grads"], rtol=1e-5, atol=1e-7)
+
+
+def offload_auto_suite(tmp: str) -> dict:
+    """``selective_ratio: auto`` under cpu_offload, then the plan it chose fixed."""
+
+    def run(checkpoint: dict) -> dict:
+        fields = {"parallel": {"fsdp2": {"cpu_offload": True}}}
+        result = train(
+            "fsdp2", tmp, steps=3, memory={"activation_checkpoint": checkpoint}, **fields
+        )
+        memory = result["gen"].models[-1].memory
+        plan = memory.planner.plan if memory.planner is not None else None
+        return public(result) | {"memory": memory, "plan": plan}
+
+    def auto(budget_bytes: float) -> dict:
+        gib = budget_bytes / 2**30
+        return {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": gib}
+
+    all_in = run(auto(1))["plan"].estimate_bytes  # nothing fits: the smallest estimate
+    all_out = run(auto(2**40))["plan"].estimate_bytes
+    planned = run(auto(all_in + 0.75 * (all_out - all_in)))  # room for two blocks' activations
+    chosen = planned["memory"].checkpointed
+    fixed = {"enabled": True, "selective_ratio": 0.0, "target_paths": chosen}
+    reference = run(fixed)
+    return {
+        "chosen": chosen,
+        "planned": list(planned["plan"].checkpointed),
+        "described": planned["memory"].describe(),
+        "fixed": reference["memory"].checkpointed,
+        "losses": (planned["losses"], reference["losses"]),
+        "state": (planned["state"], reference["state"]),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_auto_checkpointing_under_cpu_offload_trains_as_its_fixed_plan(world_size, tmp_path):
+    results = run_ranks(offload_auto_suite, world_size, str(tmp_path))
+    runs = results[0]
+    assert all(r["chosen"] == runs["chosen"] for r in results)  # every rank plans alike
+    assert len(runs["chosen"]) == 1 and runs["planned"] == runs["chosen"] == runs["fixed"]
+    assert ", ".join(runs["chosen"]) in runs["described"]
+    planned, fixed = runs["losses"]
+    assert planned == fixed
+    assert_same_weights(*runs["state"], rtol=0, atol=0)

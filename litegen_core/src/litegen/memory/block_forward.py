@@ -92,6 +92,9 @@ class BlockForward:
         self.offloader = offloader
         self.inside_compile = inside_compile
         self.meter: Any = None  # the budget planner while it measures the first step
+        # True during the planner's extra plain run of the first step, which only counts what
+        # the block saves (block swap borrows its weights for it instead of moving on).
+        self.counting = False
         # What runs in each mode; compile() swaps in compiled callables.
         self.plain: Callable = forward
         self.checkpointed: Callable = self._checkpoint_original

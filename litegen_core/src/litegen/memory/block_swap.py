@@ -7,7 +7,9 @@ frozen parameters in pinned host memory and get device copies only while they ru
   it and its recompute fetches the weights again) puts device copies of the block's frozen
   parameters in place of the host ones, runs, and puts the host ones back. Before it runs, the
   next block's copies start on a side stream (the next one in the direction of travel: forward
-  order in the forward, backward order in a checkpoint's recompute);
+  order in the forward, backward order in a checkpoint's recompute). The budget planner's
+  counting run of a block (:mod:`litegen.memory.budget`) borrows the copies its own call then
+  takes, and starts nothing;
 * backward: a block that is not checkpointed saves its weights for backward through
   ``saved_tensors_hooks`` as handles; the first unpack of a block's weights fetches that block
   (prefetched when the block after it was unpacked) and starts the one before it.
@@ -130,11 +132,15 @@ class BlockSwap:
             event.record(self._stream)
         self._pending[i] = (copies, event)
 
-    def _fetch(self, i: int) -> list[torch.Tensor]:
-        """Block ``i``'s device copies, ready on the current stream."""
+    def _fetch(self, i: int, keep: bool = False) -> list[torch.Tensor]:
+        """Block ``i``'s device copies, ready on the current stream; ``keep`` leaves them pending
+        for the next call."""
         if i not in self._pending:
-            return self._copy(i, False)
-        copies, event = self._pending.pop(i)
+            copies = self._copy(i, False)
+            if keep:
+                self._pending[i] = (copies, None)  # made on the current stream: nothing to wait on
+            return copies
+        copies, event = self._pending[i] if keep else self._pending.pop(i)
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
@@ -151,20 +157,27 @@ class BlockSwap:
 
     # -- forward and backward -------------------------------------------------------------------
     def _run(self, i: int, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-        if i == 0:  # a new forward (or block 0's recompute): travel starts forward again
+        wrapper = block_forward(self.blocks[i])
+        # The budget planner's counting run repeats the call that follows it: it borrows the
+        # prefetched copies and leaves the direction of travel to that call.
+        counting = wrapper is not None and wrapper.counting
+        if i == 0 and not counting:  # a new forward (or block 0's recompute): travel restarts
             self._unpacked.clear()
             self._last = -1
-        self._travel(i)
+        if not counting:
+            self._travel(i)
         if i not in self._host:
             return forward(*args, **kwargs)
-        copies = self._fetch(i)
+        copies = self._fetch(i, keep=counting)
         slots = self._slots[i]
         for (owner, name), copy in zip(slots, copies, strict=True):
             owner._parameters[name] = nn.Parameter(copy, requires_grad=False)
         # A checkpointed block saves nothing in its forward and keeps its recompute's copies
-        # until its backward is done; another block saves its weights as handles.
-        wrapper = block_forward(self.blocks[i])
-        handles = torch.is_grad_enabled() and not (wrapper is not None and wrapper.checkpoint)
+        # until its backward is done; another block saves its weights as handles. The counting
+        # run saves plain tensors, for the planner's hooks to see (and to tell from parameters).
+        handles = torch.is_grad_enabled() and not (
+            wrapper is not None and (wrapper.checkpoint or counting)
+        )
         try:
             if not handles:
                 return forward(*args, **kwargs)

@@ -12,7 +12,8 @@ count and drop what it saves (the RNG state forked, the output discarded), so me
 one extra forward and one block's activations at a time. Per block:
 
 * ``activation_bytes``: what it saves when not checkpointed, counted per storage, leaving out
-  its inputs, parameters and outputs (alive in either mode);
+  its inputs, parameters (as they are while it runs: block swap's device copies, FSDP's gathered
+  unit) and outputs (alive in either mode);
 * ``input_bytes``: what checkpointing keeps for it alone: its saved inputs that no other block
   also saves (shared ones, like text embeddings, stay either way).
 
@@ -186,15 +187,17 @@ class BudgetPlanner:
     ) -> None:
         """What ``block`` would save without checkpointing, counted and dropped at once."""
         module = block.module
-        kept = _storages((args, kwargs)) | _storages(list(module.parameters()))
-        kept |= _storages(list(module.buffers()))
+        kept = _storages((args, kwargs)) | _storages(list(module.buffers()))
+        params: set[int] = set()  # read at the first save: block swap puts its copies in place
         made: dict[int, int] = {}
         held = []  # alive until the run ends, so no two of them share an address
 
         def count(t: torch.Tensor) -> None:
+            if not params:
+                params.update(_storages(list(module.parameters())))
             if type(t) is torch.Tensor:
                 storage = t.untyped_storage()
-                if storage.data_ptr() not in kept:
+                if storage.data_ptr() not in kept and storage.data_ptr() not in params:
                     made[storage.data_ptr()] = storage.nbytes()
                     held.append(t)
 
@@ -203,11 +206,15 @@ class BudgetPlanner:
             m = self._measured
             peak = torch.cuda.max_memory_allocated(self._device)
             m.peaks[m.phase] = max(m.peaks.get(m.phase, 0), peak)
-        with (
-            torch.random.fork_rng(devices=[self._device] if cuda else []),
-            saved_tensors_hooks(count, _discard),
-        ):
-            out = block.plain(*args, **kwargs)
+        block.counting = True
+        try:
+            with (
+                torch.random.fork_rng(devices=[self._device] if cuda else []),
+                saved_tensors_hooks(count, _discard),
+            ):
+                out = block.plain(*args, **kwargs)
+        finally:
+            block.counting = False
         outputs = _storages(out)
         del out
         held.clear()
