@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
@@ -221,7 +222,13 @@ def cached_data(config, fam: Family) -> tuple[DataLoader, dict[str, torch.Tensor
     what is missing is encoded first, by all ranks."""
     dataset = media(config, fam)
     cache, keys = make_cache(config, fam, dataset)
-    if any(key not in cache for key in keys):
+    missing = any(key not in cache for key in keys)
+    if missing and config.runtime.device == "meta":
+        raise ValueError(
+            f"the cache {cache.directory} lacks samples and an estimate on the meta device "
+            "encodes nothing; run `litegen cache build` with this recipe first."
+        )
+    if missing:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         fill_cache(
             cache,
@@ -279,7 +286,7 @@ def build(config):
             "prompts to sample, or set trainer.sample_every=0."
         )
     data, empty_prompt = cached_data(config, fam)
-    model = load_component(pipeline_folder(config), "transformer")
+    model = load_transformer(config)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
@@ -291,6 +298,18 @@ def build(config):
         "objective": make_objective(config),
         "caption_dropout": CaptionDropout(float(config.data.caption_dropout), empty_prompt),
     }
+
+
+def load_transformer(config) -> torch.nn.Module:
+    """The pipeline's transformer; on the meta device when ``runtime.device`` is ``meta``
+    (``litegen inspect-config --estimate``): built from its ``config.json``, no weights read."""
+    folder = pipeline_folder(config)
+    if config.runtime.device != "meta":
+        return load_component(folder, "transformer")
+    library, class_name = check_pipeline_folder(folder)["transformer"]
+    cls = getattr(importlib.import_module(library), class_name)
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(folder / "transformer"))
 
 
 def train_step(batch, model, family, objective, caption_dropout):

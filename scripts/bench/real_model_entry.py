@@ -12,7 +12,8 @@ The recipe's ``model:`` section chooses what to train (all fields optional)::
       samples: 16          # synthetic samples in the dataset (made once, held in memory)
       profile_steps: [20, 23]   # trace steps [20, 23) with torch.profiler (step_profile.py)
 
-The model is built on the training device with random weights (nothing is downloaded), then
+The model is built on the training device with random weights (nothing is downloaded; on the
+meta device, with no memory at all, when ``runtime.device`` is ``meta``), then
 AdamW (``fused=True`` on CUDA) over it with the recipe's ``lr`` and ``weight_decay``; the loss is
 the zoo's flow-matching MSE. The model reports its tokens per sample, so the logs carry tokens/s.
 ``finish`` writes ``summary.json`` to the results folder: the peak memory, and where the profiled
@@ -55,6 +56,9 @@ def settings_of(config: Any) -> dict[str, Any]:
 
 
 def device_of(config: Any) -> torch.device:
+    """Where the model trains; ``meta`` when ``litegen inspect-config --estimate`` asks."""
+    if config.runtime.device == "meta":
+        return torch.device("meta")
     if config.runtime.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -93,7 +97,8 @@ def build(config: Any) -> dict:
         weight_decay=config.weight_decay,
         fused=device.type == "cuda",
     )
-    tensors = spec.batch(size, settings.get("samples", 16), config.global_seed, shape)
+    with torch.device("cpu"):  # the samples' generator is a CPU one, whatever the device
+        tensors = spec.batch(size, settings.get("samples", 16), config.global_seed, shape)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return {"model": model, "optimizer": optimizer, "dataset": LatentDataset(tensors)}

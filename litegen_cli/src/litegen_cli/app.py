@@ -12,10 +12,10 @@ from typing import Annotated
 
 import typer
 
-from litegen.checkpoint.layout import STEP_DIR_GLOB
 from litegen_cli import render
 from litegen_cli.entry_check import input_problems
-from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed, RankFailure
+from litegen_cli.estimate import DeviceGibOpt, EstimateOpt, print_estimate
+from litegen_cli.failures import EXIT_BAD_INPUT, EXIT_FAILED, LaunchFailed
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
 
@@ -140,45 +140,12 @@ def run_launch(
         render.print_recipe_error(err)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except LaunchFailed as err:
-        _report_failure(err, _resume_hint(config.get_checkpoint_dir()))
+        render.report_failure(err, render.resume_hint(config.get_checkpoint_dir()))
         raise typer.Exit(err.exit_code) from None
     except OSError as err:  # e.g. the results dir is not writable
         render.print_error("Cannot start the run", [f"{type(err).__name__}: {err}"])
         raise typer.Exit(EXIT_FAILED) from None
     render.console.print(f"[green]Done.[/] Resolved recipe: {resolved}")
-
-
-def _resume_hint(checkpoint_dir: str) -> str:
-    """How to continue a failed run: from its latest checkpoint, when it wrote one."""
-    if any(Path(checkpoint_dir).glob(STEP_DIR_GLOB)):
-        return f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
-    return ""
-
-
-def _report_failure(err: LaunchFailed, resume: str, title: str = "Training failed") -> None:
-    """One line for a signal, else one panel: the root failure, the others, where the logs are,
-    then ``resume`` (how to go on; not after bad input)."""
-    if err.signal is not None:
-        line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
-        render.err_console.print(line, highlight=False, markup=False)
-        return
-    lines = [err.summary]
-    if err.failures:
-        root, others = err.failures[0], err.failures[1:]
-        lines = [f"rank {root.rank}: exit code {root.exitcode}: {root.message}"]
-        lines += [f"then rank {f.rank}: exit code {f.exitcode}: {_first_line(f)}" for f in others]
-        if root.log:
-            lines.append(f"Tracebacks of the failed ranks: {Path(root.log).parent}/")
-    if resume and err.exit_code != EXIT_BAD_INPUT:
-        lines.append(resume)
-    bad_input = err.exit_code == EXIT_BAD_INPUT
-    render.print_error("Bad input" if bad_input else title, lines)
-
-
-def _first_line(failure: RankFailure) -> str:
-    """A failure's message cut to one short line (the root one is shown whole)."""
-    line = (failure.message.splitlines() or [""])[0]
-    return line if len(line) <= 120 else line[:117] + "..."
 
 
 @app.command()
@@ -255,15 +222,23 @@ def resume(
 
 
 @app.command("inspect-config")
-def inspect_config(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+def inspect_config(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    estimate: EstimateOpt = False,
+    device_gib: DeviceGibOpt = None,
+) -> None:
     """Print the resolved, validated recipe and the derived run plan; start nothing.
 
-    Exits with code 2 and lists every problem when the recipe is invalid.
+    Exits with code 2 and lists every problem when the recipe is invalid. --estimate adds one
+    step's peak device memory, estimated on the meta device (docs/memory.md).
     """
     loaded = load_or_exit(recipe, overrides)
     render.console.print(render.config_tree(loaded))
     render.console.print(render.plan_table(derive_plan(loaded)))
     render.print_warnings(loaded.warnings)
+    if estimate:
+        raise typer.Exit(print_estimate(loaded, device_gib))
 
 
 @app.command("env")
@@ -381,7 +356,7 @@ def cache_build(
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except LaunchFailed as err:
         again = "Run the same command again: what was cached is kept, the rest is encoded."
-        _report_failure(err, again, title="Cache build failed")
+        render.report_failure(err, again, title="Cache build failed")
         raise typer.Exit(err.exit_code) from None
     render.console.print(report_table(report))
 

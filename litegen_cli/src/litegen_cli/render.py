@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -10,6 +11,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.tree import Tree
 
+from litegen.checkpoint.layout import STEP_DIR_GLOB
+from litegen_cli.failures import EXIT_BAD_INPUT, LaunchFailed, RankFailure
 from litegen_cli.plan import RunPlan
 from litegen_cli.recipe import Recipe, RecipeError
 
@@ -95,3 +98,36 @@ def print_warnings(lines: list[str]) -> None:
     if lines:
         body = "\n".join(f"- {escape(line)}" for line in lines)
         err_console.print(Panel(body, title="Warnings", border_style="yellow"))
+
+
+def resume_hint(checkpoint_dir: str) -> str:
+    """How to continue a failed run: from its latest checkpoint, when it wrote one."""
+    if any(Path(checkpoint_dir).glob(STEP_DIR_GLOB)):
+        return f"Continue from the latest checkpoint: litegen resume --from {checkpoint_dir}"
+    return ""
+
+
+def report_failure(err: LaunchFailed, resume: str, title: str = "Training failed") -> None:
+    """One line for a signal, else one panel: the root failure, the others, where the logs are,
+    then ``resume`` (how to go on; not after bad input)."""
+    if err.signal is not None:
+        line = f"Stopped by {err.signal}; every rank was stopped. {resume}".strip()
+        err_console.print(line, highlight=False, markup=False)
+        return
+    lines = [err.summary]
+    if err.failures:
+        root, others = err.failures[0], err.failures[1:]
+        lines = [f"rank {root.rank}: exit code {root.exitcode}: {root.message}"]
+        lines += [f"then rank {f.rank}: exit code {f.exitcode}: {_first_line(f)}" for f in others]
+        if root.log:
+            lines.append(f"Tracebacks of the failed ranks: {Path(root.log).parent}/")
+    if resume and err.exit_code != EXIT_BAD_INPUT:
+        lines.append(resume)
+    bad_input = err.exit_code == EXIT_BAD_INPUT
+    print_error("Bad input" if bad_input else title, lines)
+
+
+def _first_line(failure: RankFailure) -> str:
+    """A failure's message cut to one short line (the root one is shown whole)."""
+    line = (failure.message.splitlines() or [""])[0]
+    return line if len(line) <= 120 else line[:117] + "..."

@@ -115,7 +115,8 @@ class FP8Linear(nn.Module):
         return dequantize(self.fp8, self.weight_scale, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_autocast_enabled(x.device.type):
+        device = x.device.type  # the meta device (peak estimates) has no autocast
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
             x = x.to(self.compute_dtype)
         if not torch.is_grad_enabled() or not x.requires_grad:  # nothing saved for backward
             return F.linear(x, self.dequantized(), self.bias)
