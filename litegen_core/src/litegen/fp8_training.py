@@ -5,7 +5,8 @@ converts the trainable model's eligible ``nn.Linear`` layers with
 ``torchao.float8.convert_to_float8_training``: their matmuls run in FP8 with dynamic scales,
 the weights and optimizer stay in their dtype. ``prepare`` converts before checkpointing,
 compile and the strategy's wrap, as torchao asks. A layer is eligible when both its dimensions
-are multiples of 16 (FP8 GEMMs need them).
+are multiples of 16 (FP8 GEMMs need them); the token dimension is padded to one where the
+batch does not give it.
 
 Where it cannot run (no CUDA device, a GPU below compute capability 8.9, torchao not installed)
 it steps aside with one warning and the model trains in its own precision.
@@ -13,6 +14,7 @@ it steps aside with one warning and the model trains in its own precision.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from typing import Literal
@@ -73,6 +75,8 @@ def apply_fp8_training(model: nn.Module, recipe: Recipe, device: torch.device) -
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     before = sum(1 for path, m in model.named_modules() if _eligible(m, path))
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    # FP8 GEMMs need every contracted dimension a multiple of 16, and the weight gradient's is
+    # the layer's token count (batch x sequence), which the data sets: pad it where it is not.
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     convert_to_float8_training(model, module_filter_fn=_eligible, config=config)
     return before
