@@ -11,6 +11,7 @@ Cases (``--cases``, comma-separated):
     wan14b-lora-ac        Wan 2.1 14B, LoRA rank 32, bf16-mixed, every block checkpointed
     wan14b-lora-fp8-swap  the same with the frozen base in fp8 and block swap (20 on the device)
     wan14b-full           Wan 2.1 14B, full fine-tuning: bf16 weights and AdamW state, checkpointed
+    wan14b-full-offload   the same under fsdp2 with parameters, gradients and state in host memory
     hunyuan-lora-fp8-swap HunyuanVideo 13B, LoRA with fp8 base and block swap, checkpointed
     dit-bf16, dit-fp8     DiT-XL/2 compiled, bf16 autocast, without and with fp8_linear (rowwise)
     wan-bf16, wan-fp8     Wan 2.1 1.3B compiled, the same pair
@@ -55,6 +56,15 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], bool, int]] = {
         False,
         1,
     ),
+    "wan14b-full-offload": (
+        {"name": "wan_14b", "frames": 11, "height": 60, "width": 104},
+        {
+            "precision": {"cast_model": "bf16"},
+            "parallel": {"strategy": "fsdp2", "fsdp2": {"cpu_offload": True}},
+        },
+        False,
+        1,
+    ),
     "hunyuan-lora-fp8-swap": (
         {"name": "hunyuan_video", "frames": 16, "height": 90, "width": 160},
         BF16_MIXED | {"lora": LORA | {"fp8_base": "rowwise"}},
@@ -89,7 +99,7 @@ def write_recipe(folder: Path, case: str, args: argparse.Namespace) -> Path:
         settings = {k: v for k, v in settings.items() if k not in ("frames", "height", "width")}
         batch = min(batch, 2)
     optimization = json.loads(json.dumps(optimization))  # a copy to add to
-    if "lora" in optimization or case == "wan14b-full" or case.startswith("hunyuan"):
+    if "lora" in optimization or case.startswith(("wan14b-full", "hunyuan")):
         optimization["memory"] = dict(CHECKPOINT_ALL)
     if case.endswith("swap"):
         optimization["memory"] |= SWAP
