@@ -1,4 +1,5 @@
-"""The DiT-style block the GPU tests train: adaLN-scaled attention and an MLP."""
+"""The models the GPU tests train: a DiT-style block (adaLN-scaled attention and an MLP), and a
+stack of wide residual MLPs whose activations dwarf their weights (the budget planner's tests)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,28 @@ class Block(nn.Module):
         q, k, v = self.qkv(h).view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
         x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.norm(x))
+
+
+class Wide(nn.Module):
+    """A residual MLP of ``width`` to ``width``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class WideStack(nn.Module):
+    """``depth`` :class:`Wide` blocks; the output is the loss, the mean square."""
+
+    def __init__(self, depth: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Wide(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()

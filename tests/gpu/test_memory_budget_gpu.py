@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import MemoryConfig
+from tests.gpu.nets import WideStack
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,33 +22,12 @@ pytestmark = [
 DEPTH, WIDTH, ROWS = 8, 2048, 1024
 
 
-class Wide(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, WIDTH)
-        self.down = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Wide() for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
-
 def train(memory: dict | None) -> tuple[int, object]:
     """Peak allocated over steps 2-3 (above what was allocated before the model), the report."""
     torch.manual_seed(0)
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
-    model = Net().cuda()
+    model = WideStack(DEPTH, WIDTH).cuda()
     report = None
     if memory is not None:
         report = apply_memory_optimizations(model, MemoryConfig.model_validate(memory))

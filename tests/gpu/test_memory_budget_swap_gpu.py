@@ -11,12 +11,12 @@ import gc
 
 import pytest
 import torch
-from torch import nn
 
 from litegen.config import LoRAConfig, MemoryConfig
 from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora
 from litegen.memory import BlockSwap, apply_memory_optimizations
+from tests.gpu.nets import WideStack
 from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [
@@ -31,34 +31,13 @@ TOLERANCE = 0.1
 SLACK = 64 * 2**20
 
 
-class Wide(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, WIDTH)
-        self.down = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Wide() for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
-
 def train(budget_bytes: float) -> tuple[int, object, int]:
     """Peak allocated over steps 2-3 (absolute), the chosen plan and block swap's fetches.
 
     Nothing of the run stays allocated after it, so every run starts from the same memory.
     """
     torch.manual_seed(0)
-    model = Net()
+    model = WideStack(DEPTH, WIDTH)
     apply_lora(model, LoRAConfig(rank=8, alpha=16, target_modules=["up", "down"]))
     store_frozen_linears_in_fp8(model, "rowwise")
     model.cuda()
