@@ -4,8 +4,13 @@ A case is one strategy and one value of each feature a user turns on together. F
 strategy, :func:`cases_for` picks the cases with the all-pairs generator (``pairwise.py``):
 every pair of feature values meets in at least one case. :func:`run_cases` trains each case's
 tiny diffusers transformer through the real loop and returns what the tests compare: the
-losses (and those of the same case under ddp), the validation losses, a run stopped at a
-checkpoint and resumed, and an exported model or adapter reloaded in plain diffusers.
+losses (and those of the same case under ddp, and without block swap), the validation losses,
+a run stopped at a checkpoint and resumed, and an exported model or adapter reloaded in plain
+diffusers.
+
+``fp8_base`` and ``block_swap`` run under LoRA with a strategy that shards nothing (ddp): the
+config refuses them elsewhere. An fp8 base is another function (its frozen weights quantized),
+so such a case's ddp reference is the same case, fp8 base included.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.config.strategies import names_where
+from litegen.config.strategies import STRATEGIES, names_where
 from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.pairwise import Case, all_pairs
 from tests.distributed.runs import full_weights
@@ -39,29 +44,60 @@ FEATURES: dict[str, list[Any]] = {
     "hooks": ["none", "same_step", "different_steps"],
     "resume": [False, True],
     "export": [False, True],
+    "fp8_base": [None, "rowwise"],
+    "block_swap": [False, True],
 }
 # Models whose attention has a sequence-parallel plan (docs/sequence_parallel.md).
 SP_MODELS = {"wan", "ltx_video", "dit"}
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+# Features refused under every strategy that shards (litegen/config/checks.py); their first
+# value is the one that leaves them off.
+REPLICATED_ONLY = ("fp8_base", "block_swap")
+# A block swap case keeps the first repeated block on the device and streams the others.
+BLOCKS_ON_DEVICE = 1
 
 
 def _off(value: Any) -> bool:
     """A feature's value when it is not used (``True == 1``: compared by type too)."""
-    return value is False or value in ("off", "none") or (type(value) is int and value == 1)
+    return (
+        value is None
+        or value is False
+        or value in ("off", "none")
+        or (type(value) is int and value == 1)
+    )
 
 
 HOOK_EVERY = {"none": (0, 0), "same_step": (2, 2), "different_steps": (2, 3)}  # sample, validate
 
 
 def runnable(strategy: str, case: Case) -> bool:
-    """Combinations that are refused before the ranks start, or have no meaning, are not cases."""
+    """Combinations that are refused before the ranks start, or have no meaning, are not cases
+    (the refusals: litegen/config/checks.py)."""
     # fsdp1 has no sequence parallelism (refused); Flux and SD3 have no plan.
-    return case["sp"] == 1 or (strategy != "fsdp1" and case["model"] in SP_MODELS)
+    if case["sp"] != 1 and (strategy == "fsdp1" or case["model"] not in SP_MODELS):
+        return False
+    if case["fp8_base"] is None and not case["block_swap"]:
+        return True
+    # Both act on whole frozen LoRA base weights: refused where a strategy shards anything.
+    if not case["lora"] or STRATEGIES[strategy].shards:
+        return False
+    # Block swap and activation offload both take saved tensors over; compiled blocks would
+    # recompile for each swap (refused).
+    return not (case["block_swap"] and (case["offload"] or case["compile"]))
+
+
+def features_for(strategy: str) -> dict[str, list[Any]]:
+    """:data:`FEATURES` less the values ``strategy`` never runs: under a strategy that shards,
+    fp8_base and block_swap stay off. Every case with such a value fails :func:`runnable` too;
+    leaving them out spares the all-pairs search from proving that pair by pair."""
+    if not STRATEGIES[strategy].shards:
+        return FEATURES
+    return FEATURES | {name: FEATURES[name][:1] for name in REPLICATED_ONLY}
 
 
 def cases_for(strategy: str) -> list[Case]:
     """The all-pairs cases of ``strategy``, each with its ``strategy`` key."""
-    chosen = all_pairs(FEATURES, lambda case: runnable(strategy, case))
+    chosen = all_pairs(features_for(strategy), lambda case: runnable(strategy, case))
     return [{"strategy": strategy} | case for case in chosen]
 
 
@@ -126,6 +162,8 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
     from litegen.utils.config import MainConfig
 
     memory: dict[str, Any] = {"activation_offload": case["offload"]}
+    if case["block_swap"]:
+        memory["block_swap"] = {"blocks_on_device": BLOCKS_ON_DEVICE}
     if case["checkpoint"] != "off":
         ratio = "auto" if case["checkpoint"] == "auto" else 0.0
         policy = "ops" if case["checkpoint"] == "ops" else "block"
@@ -140,7 +178,7 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
         "compile": {"enabled": case["compile"]},
     }
     if case["lora"]:
-        optimization["lora"] = LORA
+        optimization["lora"] = LORA | {"fp8_base": case["fp8_base"]}
     return MainConfig.from_dict(
         {
             "runtime": {"device": "cpu"},
@@ -167,6 +205,7 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
 def train(case: Case, results: str, strategy: str, max_steps: int = STEPS, **trainer) -> dict:
     """One run of ``case`` through the real loop: losses, validation losses, weights, exports."""
     import litegen
+    from litegen.fp8_weights import FP8Linear
     from litegen.trainer import Trainer
 
     spec = REAL_MODELS[case["model"]]
@@ -205,10 +244,18 @@ def train(case: Case, results: str, strategy: str, max_steps: int = STEPS, **tra
         "samples": sorted(p.name for p in (Path(results) / "samples").glob("step_*")),
         "state": full_weights(gen, model),
         "encoder_plain": encoder is None or type(encoder) is FrozenEncoder,
+        # That the memory features took effect: blocks fetched, frozen Linears stored in fp8.
+        "swap_fetches": swap.stats.fetches if (swap := _trained(gen).memory.block_swap) else 0,
+        "fp8_layers": sum(type(m) is FP8Linear for m in gen.unwrap(model).modules()),
     }
     if case["export"] and max_steps == STEPS:
         out["export_diff"] = _export_diff(gen, model, case, Path(results), held_out)
     return out
+
+
+def _trained(gen) -> Any:
+    """The prepared entry of the trained model (the frozen encoder is the other one)."""
+    return next(entry for entry in gen.models if entry.trainable)
 
 
 def _export_diff(gen, model, case: Case, folder: Path, batch: dict) -> float:
@@ -238,18 +285,29 @@ def _export_diff(gen, model, case: Case, folder: Path, batch: dict) -> float:
         loaded.append(PeftModel.from_pretrained(spec.build("tiny"), str(peft_folder)).base_model)
     else:
         loaded.append(spec.model_class().from_pretrained(str(exported)))
-    trained.load_state_dict(state)
+    if case["fp8_base"] is None:
+        trained.load_state_dict(state)
+    else:  # adapters only are exported, for the base the run quantized: load them over it
+        missing, _ = trained.load_state_dict(
+            {k: v for k, v in state.items() if "lora_" in k}, strict=False
+        )
+        assert not [k for k in missing if "lora_" in k], missing
     with torch.no_grad():
         expected = spec.predict(trained.eval(), batch)
         return max((spec.predict(m.eval(), batch) - expected).abs().max().item() for m in loaded)
 
 
 def run_case(case: Case, root: str) -> dict:
-    """The case under its strategy and under ddp, and stopped at step 2 then resumed; ``root``
-    is a folder every rank shares (run checkpoints are written by all of them)."""
+    """The case under its strategy and under ddp, without block swap if it swaps, and stopped
+    at step 2 then resumed; ``root`` is a folder every rank shares (run checkpoints are written
+    by all of them)."""
     out = {"run": train(case, f"{root}/run", case["strategy"])}
     if case["strategy"] != "ddp":  # on the same ranks: hsdp's 4 compare with ddp's 4
         out["ddp"] = train(case, f"{root}/ddp", "ddp")
+    if case["block_swap"]:  # the same run with every weight on the device
+        out["unswapped"] = train(
+            case | {"block_swap": False}, f"{root}/unswapped", case["strategy"]
+        )
     if case["resume"]:
         first = train(case, f"{root}/resumed", case["strategy"], 2, checkpoint_every=2)
         second = train(case, f"{root}/resumed", case["strategy"], resume_run=f"{root}/resumed/ckpt")

@@ -98,9 +98,9 @@ def _completable(
 ) -> bool:
     """Whether some allowed case extends ``partial`` (the first one found, depth first)."""
     rest = [n for n in names if n not in partial]
+    case = {name: partial.get(name) for name in names}  # one dict, refilled for each candidate
     for values in itertools.product(*(factors[n] for n in rest)):
-        if allowed(
-            {name: (partial | dict(zip(rest, values, strict=True)))[name] for name in names}
-        ):
+        case.update(zip(rest, values, strict=True))
+        if allowed(case):
             return True
     return False

@@ -2,17 +2,18 @@
 together, chosen pairwise (tests/distributed/combinations.py, pairwise.py).
 
 Each case asserts numbers: its losses, validation losses and final weights equal the same case
-under ddp (on the same ranks), a run stopped at a step-2 checkpoint and resumed equals the
-straight run, and an exported model (a diffusers folder) or adapter (a LoRA file) reloaded in
-plain diffusers predicts what the trained model predicts.
+under ddp (on the same ranks), and bit for bit the same case without block swap; a run stopped
+at a step-2 checkpoint and resumed equals the straight run, and an exported model (a diffusers
+folder) or adapter (a LoRA file) reloaded in plain diffusers predicts what the trained model
+predicts (for an fp8 base: the trained adapters over the base before quantization).
 
 The whole matrix (every all-pairs case of every strategy, hsdp on 4 ranks as 2 simulated nodes)
 is marked ``matrix`` and deselected by default; run it with
 
     uv run --locked pytest -m matrix tests/distributed/test_combinations.py
 
-CI runs a sample: for fsdp2, zero2 and fsdp1, the all-pairs case with the most features on
-(compile aside), each on another model.
+CI runs a sample: for fsdp2, zero2, fsdp1 and ddp, the all-pairs case with the most features on
+that the sample has not switched on yet (compile aside); ddp's holds an fp8 base and block swap.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.distributed.combinations import (
     TWO_RANK_STRATEGIES,
     case_id,
     cases_for,
+    features_for,
     run_cases,
     runnable,
     sample_cases,
@@ -37,7 +39,8 @@ from tests.distributed.combinations import (
 from tests.distributed.harness import run_ranks
 
 MATRIX = {s: cases_for(s) for s in TWO_RANK_STRATEGIES + FOUR_RANK_STRATEGIES}
-SAMPLE = sample_cases(MATRIX, ("fsdp2", "zero2", "fsdp1"))
+# ddp last: the only strategy that runs fp8 bases and block swap, which its case then takes.
+SAMPLE = sample_cases(MATRIX, ("fsdp2", "zero2", "fsdp1", "ddp"))
 ALL = [case for cases in MATRIX.values() for case in cases]
 # Combinations that fail today, each with its cause: strict, so a fix turns them into passes.
 KNOWN_FAILURES: list[tuple] = []
@@ -82,6 +85,14 @@ def check(case: dict, results: dict) -> None:
     ]
     assert run["samples"] == [f"step_{s}" for s in (2, 4) if sample_every]
     assert run["encoder_plain"]
+    assert (run["swap_fetches"] > 0) == case["block_swap"]
+    assert (run["fp8_layers"] > 0) == (case["fp8_base"] is not None)
+    if case["block_swap"]:
+        # The frozen weights only wait in another memory between uses: bit for bit the same.
+        unswapped = got["unswapped"]
+        assert run["losses"] == unswapped["losses"]
+        assert run["val_losses"] == unswapped["val_losses"]
+        torch.testing.assert_close(run["state"], unswapped["state"], rtol=0, atol=0)
     if case["resume"]:
         # The same ranks and strategy: a resumed run continues bit for bit.
         assert got["resumed"]["losses"] == run["losses"]
@@ -104,8 +115,15 @@ def test_every_pairwise_combination(case):
 
 def test_the_cases_meet_every_pair_of_features_under_every_strategy():
     names = list(FEATURES)
-    every_case = [dict(zip(names, v, strict=True)) for v in itertools.product(*FEATURES.values())]
     for strategy, cases in MATRIX.items():
+        features = features_for(strategy)
+        every_case = [
+            dict(zip(names, v, strict=True)) for v in itertools.product(*features.values())
+        ]
+        # The values features_for leaves out are those no case of the strategy can run.
+        for name, values in FEATURES.items():
+            for value in [v for v in values if v not in features[name]]:
+                assert not any(runnable(strategy, c | {name: value}) for c in every_case)
         possible, met = set(), set()
         for found, pool in (
             (possible, [c for c in every_case if runnable(strategy, c)]),

@@ -21,14 +21,20 @@ def lora_model() -> torch.nn.Module:
     return model
 
 
-def train(blocks_on_device: int | None, checkpoint_ratio: float | None = None) -> dict:
+def train(
+    blocks_on_device: int | None, checkpoint_ratio: float | None = None, policy: str = "block"
+) -> dict:
     model = lora_model()
     swap = None
     if blocks_on_device is not None:
         swap = BlockSwap(model, blocks_on_device, CPU)
     if checkpoint_ratio is not None:
         memory = MemoryConfig(
-            activation_checkpoint={"enabled": True, "selective_ratio": checkpoint_ratio}
+            activation_checkpoint={
+                "enabled": True,
+                "selective_ratio": checkpoint_ratio,
+                "policy": policy,
+            }
         )
         apply_memory_optimizations(model, memory, device=CPU)
     if swap is not None:
@@ -51,10 +57,15 @@ def frozen_bytes(block: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in block.parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("checkpoint_ratio", [None, 0.0, 0.34])
-def test_block_swap_trains_as_on_the_device(checkpoint_ratio):
-    reference = train(None, checkpoint_ratio)
-    swapped = train(1, checkpoint_ratio)
+# ops and ops_all recompute under selective checkpointing, which matches the ops of a block's
+# recompute to its forward's one by one: the swap's copies must not be among them.
+@pytest.mark.parametrize(
+    "checkpoint_ratio, policy",
+    [(None, "block"), (0.0, "block"), (0.34, "block"), (0.0, "ops"), (0.34, "ops_all")],
+)
+def test_block_swap_trains_as_on_the_device(checkpoint_ratio, policy):
+    reference = train(None, checkpoint_ratio, policy)
+    swapped = train(1, checkpoint_ratio, policy)
     assert swapped["losses"] == pytest.approx(reference["losses"], rel=1e-6)
     for got, want in zip(swapped["grads"], reference["grads"], strict=True):
         assert sorted(got) == sorted(want)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import _disable_current_modes
 
 from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import block_forward
@@ -164,11 +165,15 @@ class BlockSwap:
         if i == 0 and not counting:  # a new forward (or block 0's recompute): travel restarts
             self._unpacked.clear()
             self._last = -1
-        if not counting:
-            self._travel(i)
-        if i not in self._host:
+        # Outside dispatch modes: selective checkpointing's mode matches a recompute's ops one
+        # by one to its forward's, and the copies are no part of the block (a recompute
+        # prefetches other blocks than its forward did).
+        with _disable_current_modes():
+            if not counting:
+                self._travel(i)
+            copies = self._fetch(i, keep=counting) if i in self._host else None
+        if copies is None:
             return forward(*args, **kwargs)
-        copies = self._fetch(i, keep=counting)
         slots = self._slots[i]
         for (owner, name), copy in zip(slots, copies, strict=True):
             owner._parameters[name] = nn.Parameter(copy, requires_grad=False)
