@@ -177,7 +177,7 @@ def test_inspect_config_estimate_prints_the_table(tmp_path):
     assert result.exit_code == 0, result.output
     for part in ("weights", "gradients", "optimizer", "activations", "peak", "fits"):
         assert part in result.output
-    assert "does not fit" not in result.output
+    assert "does not fit" not in result.output and "tight" not in result.output
 
 
 def test_inspect_config_without_estimate_stays_off_torch_work(tmp_path):

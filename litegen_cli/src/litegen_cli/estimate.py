@@ -26,6 +26,9 @@ from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe
 
 GIB = 2**30
+# The estimate leaves out the allocator's caching and fragmentation, so a peak this close to
+# the device's size may still not fit.
+TIGHT_SHARE = 0.9
 
 EstimateOpt = Annotated[
     bool,
@@ -181,9 +184,23 @@ def estimate_table(estimate: Any, device_gib: float | None) -> Table:
     checkpointed = f"{estimate.checkpointed} of {estimate.blocks} checkpointed"
     table.add_row("blocks", checkpointed, f"{estimate.offloaded} offloaded")
     if device_gib is not None:
-        verdict = "fits" if estimate.peak <= device_gib * GIB else "does not fit"
-        table.add_row("device", f"{device_gib:g}", escape(verdict))
+        table.add_row("device", f"{device_gib:g}", escape(verdict(estimate.peak, device_gib)))
     return table
+
+
+def verdict(peak: int, device_gib: float) -> str:
+    """Whether ``peak`` bytes fit a device of ``device_gib``: ``fits``, ``tight`` (above
+    :data:`TIGHT_SHARE` of it) or ``does not fit``.
+
+    Example:
+        >>> verdict(50 * GIB, 80), verdict(76 * GIB, 80), verdict(81 * GIB, 80)
+        ('fits', 'tight: within 10% of the device, fragmentation not counted', 'does not fit')
+    """
+    if peak > device_gib * GIB:
+        return "does not fit"
+    if peak > TIGHT_SHARE * device_gib * GIB:
+        return f"tight: within {1 - TIGHT_SHARE:.0%} of the device, fragmentation not counted"
+    return "fits"
 
 
 def print_estimate(recipe: Recipe, device_gib: float | None) -> int:
