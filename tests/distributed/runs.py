@@ -7,6 +7,7 @@ prepares the tiny DiT with AdamW and the pair dataset, and trains ``max_steps`` 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,3 +54,21 @@ def full_weights(gen, model) -> dict[str, torch.Tensor]:
     """The whole model on CPU, copied (on a CPU run the state may alias the parameters)."""
     state = gen.full_model_state(model)
     return {name: value.detach().cpu().clone() for name, value in state.items()}
+
+
+def planned_and_fixed(run: Callable[[dict], dict]) -> tuple[dict, dict]:
+    """``run(activation_checkpoint)`` with ``selective_ratio: auto`` at a budget with room for
+    about two blocks' activations, then with the blocks it checkpointed fixed; both results.
+
+    ``run`` returns a dict holding the planner's ``plan`` and the ``checkpointed`` block paths.
+    """
+
+    def auto(budget_bytes: float) -> dict:
+        gib = budget_bytes / 2**30
+        return {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": gib}
+
+    all_in = run(auto(1))["plan"].estimate_bytes  # nothing fits: the smallest estimate
+    all_out = run(auto(2**40))["plan"].estimate_bytes
+    planned = run(auto(all_in + 0.75 * (all_out - all_in)))
+    fixed = {"enabled": True, "selective_ratio": 0.0, "target_paths": planned["checkpointed"]}
+    return planned, run(fixed)

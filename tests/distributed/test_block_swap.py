@@ -11,7 +11,7 @@ import pytest
 # Imported in the parent so the forked ranks inherit them (LoRA goes through peft).
 import litegen.lora  # noqa: F401
 from tests.distributed.harness import run_ranks
-from tests.distributed.runs import full_weights, train_tiny
+from tests.distributed.runs import full_weights, planned_and_fixed, train_tiny
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["mlp.0", "mlp.2", "ada"]}
 CHECKPOINT = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.34}}
@@ -77,17 +77,17 @@ def auto_suite() -> dict:
         report = gen.models[-1].memory
         plan = report.planner.plan if report.planner is not None else None
         weights = full_weights(gen, model)
-        return {"report": report, "plan": plan, "losses": losses, "weights": weights}
+        checkpointed = report.checkpointed
+        return {
+            "report": report,
+            "plan": plan,
+            "checkpointed": checkpointed,
+            "losses": losses,
+            "weights": weights,
+        }
 
-    def auto(budget_bytes: float) -> dict:
-        gib = budget_bytes / 2**30
-        return {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": gib}
-
-    all_in = run(auto(1))["plan"].estimate_bytes  # nothing fits: the smallest estimate
-    all_out = run(auto(2**40))["plan"].estimate_bytes
-    planned = run(auto(all_in + 0.75 * (all_out - all_in)))  # room for two blocks' activations
-    chosen = planned["report"].checkpointed
-    reference = run({"enabled": True, "selective_ratio": 0.0, "target_paths": chosen})
+    planned, reference = planned_and_fixed(run)
+    chosen = planned["checkpointed"]
     return {
         "chosen": chosen,
         "swapped": planned["report"].block_swap.swapped,

@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model
+from tests.distributed.runs import planned_and_fixed
 from tests.distributed.test_fsdp import assert_same_weights, config_for, public, train
 
 STEPS = 4
@@ -73,18 +74,14 @@ def offload_auto_suite(tmp: str) -> dict:
         )
         memory = result["gen"].models[-1].memory
         plan = memory.planner.plan if memory.planner is not None else None
-        return public(result) | {"memory": memory, "plan": plan}
+        return public(result) | {
+            "memory": memory,
+            "plan": plan,
+            "checkpointed": memory.checkpointed,
+        }
 
-    def auto(budget_bytes: float) -> dict:
-        gib = budget_bytes / 2**30
-        return {"enabled": True, "selective_ratio": "auto", "memory_budget_gib": gib}
-
-    all_in = run(auto(1))["plan"].estimate_bytes  # nothing fits: the smallest estimate
-    all_out = run(auto(2**40))["plan"].estimate_bytes
-    planned = run(auto(all_in + 0.75 * (all_out - all_in)))  # room for two blocks' activations
-    chosen = planned["memory"].checkpointed
-    fixed = {"enabled": True, "selective_ratio": 0.0, "target_paths": chosen}
-    reference = run(fixed)
+    planned, reference = planned_and_fixed(run)
+    chosen = planned["checkpointed"]
     return {
         "chosen": chosen,
         "planned": list(planned["plan"].checkpointed),
