@@ -35,6 +35,17 @@ def peak_gib(recipe: Path, frames: int, size: tuple[int, int]) -> float:
     return estimate_recipe(load_recipe(recipe, [*overrides, "runtime.device=cuda"])).peak / GIB
 
 
+def longest_frames(recipe: Path, card_gib: float, size: tuple[int, int], limit: int) -> int:
+    """The most latent frames of ``size`` (at most ``limit``, 0 if none) whose estimated peak
+    stays within ``TIGHT_SHARE`` of a ``card_gib`` card."""
+    return longest(
+        lambda frames: peak_gib(recipe, frames, size) <= TIGHT_SHARE * card_gib,
+        start=4,
+        step=1,
+        limit=limit,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="wan14b-lora-fp8-swap,wan14b-lora-ac,wan14b-full")
@@ -52,12 +63,7 @@ def main() -> None:
     for case in args.cases.split(","):
         recipe = big_models.write_recipe(folder, case, recipe_args)
         for card in (float(c) for c in args.cards.split(",")):
-            frames = longest(
-                lambda f, recipe=recipe, card=card: peak_gib(recipe, f, size) <= TIGHT_SHARE * card,
-                start=4,
-                step=1,
-                limit=args.limit,
-            )
+            frames = longest_frames(recipe, card, size, args.limit)
             tokens = int(frames * size[0] * size[1] * TOKENS_PER_LATENT_PIXEL)
             if not frames:
                 print(f"{case:24} {card:8.1f} {'none fits':>13}")
