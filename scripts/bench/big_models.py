@@ -13,8 +13,9 @@ Cases (``--cases``, comma-separated):
     wan14b-full           Wan 2.1 14B, full fine-tuning: bf16 weights and AdamW state, checkpointed
     wan14b-full-offload   the same under fsdp2 with parameters, gradients and state in host memory
     hunyuan-lora-fp8-swap HunyuanVideo 13B, LoRA with fp8 base and block swap, checkpointed
-    dit-bf16, dit-fp8     DiT-XL/2 compiled, bf16 autocast, without and with fp8_linear (rowwise)
-    wan-bf16, wan-fp8     Wan 2.1 1.3B compiled, the same pair
+    dit-bf16, dit-fp8     DiT-XL/2 compiled, bf16 autocast, without and with fp8_linear (rowwise);
+                          dit-fp8-tensorwise with the tensorwise recipe
+    wan-bf16, wan-fp8     Wan 2.1 1.3B compiled, the same three (wan-fp8-tensorwise)
 
 ``--tokens`` picks the length of the Wan 14B cases (latent frames, height, width), e.g.
 ``21x90x160`` (75,600 tokens, 81 frames at 720x1280). The FP8 pairs also print how far the fp8
@@ -41,6 +42,8 @@ ENTRY = Path(__file__).resolve().parent / "real_model_entry.py"
 CHECKPOINT_ALL = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0}}
 LORA = {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
 BF16_MIXED = {"precision": {"preset": "bf16-mixed"}}
+DIT = {"name": "dit", "samples": 256}
+WAN_1_3B = {"name": "wan", "frames": 3, "samples": 8}
 # Case -> (model settings, optimization section, compiled, global batch).
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any], bool, int]] = {
     "wan14b-lora-ac": ({"name": "wan_14b"}, BF16_MIXED | {"lora": LORA}, False, 1),
@@ -71,21 +74,14 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], bool, int]] = {
         False,
         1,
     ),
-    "dit-bf16": ({"name": "dit", "samples": 256}, {}, True, 128),
-    "dit-fp8": (
-        {"name": "dit", "samples": 256},
-        {"precision": {"fp8_linear": "rowwise"}},
-        True,
-        128,
-    ),
-    "wan-bf16": ({"name": "wan", "frames": 3, "samples": 8}, {}, True, 1),
-    "wan-fp8": (
-        {"name": "wan", "frames": 3, "samples": 8},
-        {"precision": {"fp8_linear": "rowwise"}},
-        True,
-        1,
-    ),
+    "dit-bf16": (DIT, {}, True, 128),
+    "wan-bf16": (WAN_1_3B, {}, True, 1),
 }
+# The FP8 linear training cases: each model's bf16 case with one of torchao's recipes.
+for _model, _settings, _batch in (("dit", DIT, 128), ("wan", WAN_1_3B, 1)):
+    for _recipe in ("rowwise", "tensorwise"):
+        _name = f"{_model}-fp8" + ("" if _recipe == "rowwise" else f"-{_recipe}")
+        CASES[_name] = (_settings, {"precision": {"fp8_linear": _recipe}}, True, _batch)
 SWAP = {"block_swap": {"blocks_on_device": 20}}
 
 
@@ -105,6 +101,10 @@ def write_recipe(folder: Path, case: str, args: argparse.Namespace) -> Path:
         optimization["memory"] |= SWAP
     optimization["compile"] = {"enabled": compiled}
     cuda = args.device == "cuda"
+    # bf16 autocast on the GPU, also under fp8_linear (whose matmuls are FP8 and the rest bf16),
+    # except where the precision preset sets it or the model is cast to bf16.
+    precision = optimization.get("precision", {})
+    autocast = cuda and not {"preset", "cast_model"} & precision.keys()
     recipe = {
         "launch": {"entry": str(ENTRY), "nproc_per_node": 1},
         "exp_name": case,
@@ -112,16 +112,11 @@ def write_recipe(folder: Path, case: str, args: argparse.Namespace) -> Path:
         "max_steps": args.steps,
         "global_batch_size": batch,
         "lr": 1e-4,
-        "trainer": {
-            "log_every": 1,
-            "save_final": False,
-            "autocast": "bf16" if cuda and "precision" not in optimization else None,
-        },
+        "trainer": {"log_every": 1, "save_final": False}
+        | ({"autocast": "bf16"} if autocast else {}),
         "optimization": optimization,
         "model": settings,
     }
-    if "preset" in optimization.get("precision", {}) or not cuda:
-        del recipe["trainer"]["autocast"]  # the preset sets it; the CPU runs in fp32
     path = folder / f"{case}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
@@ -197,13 +192,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['peak_gib']:9.2f} {row['reserved_gib']:9.2f}"
         )
     by_case = {row["case"]: row for row in rows if "losses" in row}
-    for model in ("dit", "wan"):
-        bf16, fp8 = by_case.get(f"{model}-bf16"), by_case.get(f"{model}-fp8")
-        if bf16 and fp8 and min(len(bf16["losses"]), len(fp8["losses"])) >= 40:
+    for case, fp8 in by_case.items():
+        bf16 = by_case.get(case.split("-fp8")[0] + "-bf16")
+        if "-fp8" in case and bf16 and min(len(bf16["losses"]), len(fp8["losses"])) >= 40:
             gap = curve_gap(bf16["losses"], fp8["losses"])
             speed = fp8["samples_per_s"] / bf16["samples_per_s"]
             print(
-                f"{model}: fp8/bf16 speed {speed:.3f}; loss curves (20-step means) differ by "
+                f"{case}: fp8/bf16 speed {speed:.3f}; loss curves (20-step means) differ by "
                 f"{gap['gap']:.4f}, bf16's own noise {gap['noise']:.4f}"
             )
 
