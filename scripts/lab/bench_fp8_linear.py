@@ -2,8 +2,8 @@
 
 Where FP8 linear training (``optimization.precision.fp8_linear``) can pay off, measured alone:
 each row is one compiled ``nn.Linear`` with fp32 weights under bf16 autocast, as a
-``bf16-mixed`` step runs it, then the same layer converted by
-``torchao.float8.convert_to_float8_training`` with the ``tensorwise`` and the ``rowwise``
+``bf16-mixed`` step runs it, then the same layer converted as ``fp8_linear`` converts it
+(``litegen.fp8_training``: torchao's float8 training) with the ``tensorwise`` and the ``rowwise``
 recipe (the FP8 casts, their scales and the three FP8 GEMMs of forward and backward). Median
 ms per call over 20 calls after warm-up, one machine start. The shapes are the Linear layers
 of DiT-XL/2 at batch 128, Wan 2.1 1.3B and Wan 2.1 14B (tokens x in -> out):
@@ -15,11 +15,11 @@ of DiT-XL/2 at batch 128, Wan 2.1 1.3B and Wan 2.1 14B (tokens x in -> out):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 from torch import nn
 
+from litegen.fp8_training import apply_fp8_training, fp8_unavailable
 from scripts.timing import median_cuda_ms, release
 
 SHAPES = {
@@ -38,12 +38,8 @@ def layer_ms(tokens: int, d_in: int, d_out: int, recipe: str | None) -> float:
     """Median ms of one compiled forward and backward of the layer (``recipe`` None: bf16)."""
     device = torch.device("cuda")
     layer = nn.Sequential(nn.Linear(d_in, d_out)).to(device)
-    if recipe is not None:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        config = dataclasses.replace(config, pad_inner_dim=True)
-        convert_to_float8_training(layer, config=config)
+    if recipe is not None and apply_fp8_training(layer, recipe, device) != 1:
+        raise SystemExit(f"FP8 training cannot run here: {fp8_unavailable(device)}")
     step = torch.compile(lambda x, g: layer(x).backward(g))
     x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
