@@ -68,6 +68,30 @@ def test_a_rank_records_one_message_and_logs_its_traceback(tmp_path, monkeypatch
     assert summary.failures[1].message == "killed by signal SIGTERM"
 
 
+WRITE_A_LONG_FAILURE = """
+from litegen_cli.failures import record_failure
+record_failure(RuntimeError("x" * 20_000_000), 1, None)
+"""
+
+
+def test_a_rank_killed_while_recording_leaves_no_error_file_torchrun_cannot_parse(tmp_path):
+    # torchrun parses every rank's error file and crashes on a half-written one, so a rank it
+    # kills mid-write must leave a whole file or none.
+    folder = tmp_path / "torchelastic"
+    folder.mkdir()
+    error_file = folder / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    child = subprocess.Popen([sys.executable, "-c", WRITE_A_LONG_FAILURE], env=env)
+    deadline = time.monotonic() + 120
+    while not any(folder.iterdir()) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    child.kill()
+    child.wait()
+    assert any(folder.iterdir()), "the rank wrote nothing before it ended"
+    if error_file.exists():
+        json.loads(error_file.read_text(encoding="utf-8"))
+
+
 def test_the_root_failure_is_the_earliest_recorded_one():
     late, early = RankFailure(0, 1, "gloo: peer gone", 20.0), RankFailure(1, 2, "bad", 10.0)
     assert root_failure([late, early]) is early

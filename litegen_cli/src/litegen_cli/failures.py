@@ -89,8 +89,11 @@ def record_failure(err: BaseException, rank: int, results_dir: str | Path | None
     }
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        with open(error_file, "w", encoding="utf-8") as handle:
-            json.dump({"message": record}, handle)
+        from litegen.checkpoint.files import atomic_write_text
+
+        # torchrun may kill this rank while it writes (another rank died first), then parses
+        # every file it finds: a half-written one would crash torchrun itself and stop restarts.
+        atomic_write_text(error_file, json.dumps({"message": record}))
     else:
         sys.stderr.write(text)
     return code
