@@ -35,6 +35,8 @@ from tests.pipelines import tiny_pipeline_folder
 pytest.importorskip("peft")
 
 WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+# Outside the blocks, where the file carries the scale in lora_B instead of an alpha.
+WAN_OUTER_TARGETS = ["proj_out", "time_proj", "text_embedder.linear_1"]
 # Wan I2V adds the image keys and values of cross-attention and the image embedder's MLP.
 WAN_I2V_TARGETS = [*WAN_TARGETS, "add_k_proj", "add_v_proj", "image_embedder.ff.net.0.proj"]
 # Every Linear of the double blocks (fused q/k/v of both streams) and the single blocks'
@@ -155,10 +157,14 @@ def check_loaded(family: str, trained, fresh, inputs, tmp_path: Path) -> None:
 # -- LoRA through diffusers' loaders --------------------------------------------------------
 @pytest.mark.parametrize("image", [False, True], ids=["t2v", "i2v"])
 def test_wan_original_lora_loads_in_diffusers_as_trained(image: bool, tmp_path: Path) -> None:
-    trained = adapted(tiny_wan(image), WAN_I2V_TARGETS if image else WAN_TARGETS)
+    targets = WAN_I2V_TARGETS if image else [*WAN_TARGETS, *WAN_OUTER_TARGETS]
+    trained = adapted(tiny_wan(image), targets)
     original = export_lora(trained, tmp_path)
     assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in original
     assert original["diffusion_model.blocks.1.ffn.2.alpha"] == 8  # alpha kept, not baked
+    if not image:
+        assert "diffusion_model.head.head.lora_B.weight" in original
+        assert "diffusion_model.head.head.alpha" not in original
     if image:
         assert "diffusion_model.blocks.0.cross_attn.k_img.lora_B.weight" in original
         assert "diffusion_model.img_emb.proj.1.lora_A.weight" in original
