@@ -18,7 +18,7 @@ the rank, the up matrices form a block-diagonal matrix (zero rows for a part wit
 adapter) and alpha is set so that ``alpha / rank`` stays the trained scale. The inverse splits
 such a block-diagonal adapter back into the parts' own adapters.
 
-    from litegen.families.original_format import key_map_for, lora_to_original
+    from litegen.families.original_format import key_map_for, lora_to_original, output_rows
 
     original = lora_to_original(adapters, key_map_for("FluxTransformer2DModel"),
                                 rows=output_rows(transformer))
@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 _PART = re.compile(r"^(?P<module>[\w.{}]+?)(?:\[(?P<chunk>\d+)/(?P<of>\d+)\])?$")
-_LORA_SUFFIXES = ("lora_A.weight", "lora_B.weight", "alpha")
 
 
 @dataclass(frozen=True)
@@ -164,6 +163,26 @@ def _chunk(tensor: torch.Tensor, part: Part) -> torch.Tensor:
 def _modules_of(parts: tuple[Part, ...]) -> list[str]:
     """The distinct modules of ``parts``, in order of first appearance."""
     return list(dict.fromkeys(p.module for p in parts))
+
+
+def _unstack(
+    tensor: torch.Tensor, parts: tuple[Part, ...], rows: Mapping[str, int] | None, what: str
+) -> dict[str, torch.Tensor]:
+    """The rows of a fused ``tensor`` given back to each module of ``parts``, in the module's
+    own row order. Parts of one module split evenly; those of several need ``rows``."""
+    if len(_modules_of(parts)) == 1:
+        sizes = [tensor.shape[0] // p.of for p in parts]
+    else:
+        sizes = _part_rows(parts, rows, what)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    row = 0
+    for part, size in zip(parts, sizes, strict=True):
+        pieces.setdefault(part.module, []).append((part.chunk, tensor[row : row + size]))
+        row += size
+    return {
+        module: torch.cat([block for _, block in sorted(blocks, key=lambda item: item[0])])
+        for module, blocks in pieces.items()
+    }
 
 
 # -- LoRA ------------------------------------------------------------------------------------
@@ -324,19 +343,7 @@ def _split(
     modules = _modules_of(parts)
     if len(parts) == 1:
         return {modules[0]: adapter}
-    if len(modules) == 1:
-        sizes = [adapter.up.shape[0] // p.of for p in parts]
-    else:
-        sizes = _part_rows(parts, rows, f"LoRA of {original}")
-    row_blocks: dict[str, list[tuple[int, torch.Tensor]]] = {m: [] for m in modules}
-    row = 0
-    for part, size in zip(parts, sizes, strict=True):
-        row_blocks[part.module].append((part.chunk, adapter.up[row : row + size]))
-        row += size
-    ups = {
-        m: torch.cat([b for _, b in sorted(blocks, key=lambda x: x[0])])
-        for m, blocks in row_blocks.items()
-    }
+    ups = _unstack(adapter.up, parts, rows, f"LoRA of {original}")
     rank = adapter.down.shape[0]
     if rank % len(modules) == 0 and _block_diagonal(ups, modules, rank // len(modules)):
         r = rank // len(modules)
@@ -418,18 +425,8 @@ def weights_from_original(
         parts = key_map.find_diffusers(module)
         if parts is None:
             raise ValueError(f"no diffusers tensor is known for the original tensor {name}.")
-        sizes = (
-            [tensor.shape[0]]
-            if len(parts) == 1
-            else _part_rows(parts, rows, f"original tensor {name}")
-        )
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        row = 0
-        for part, size in zip(parts, sizes, strict=True):
-            pieces.setdefault(part.module, []).append((part.chunk, tensor[row : row + size]))
-            row += size
-        for m, blocks in pieces.items():
-            out[f"{m}.{leaf}"] = torch.cat([b for _, b in sorted(blocks, key=lambda x: x[0])])
+        pieces = _unstack(tensor, parts, rows, f"original tensor {name}")
+        out.update({f"{module}.{leaf}": piece for module, piece in pieces.items()})
     return out
 
 
@@ -472,6 +469,7 @@ WAN_KEY_MAP = KeyMap(
     tensors={
         "head.modulation": "scale_shift_table",
         "blocks.{i}.modulation": "blocks.{i}.scale_shift_table",
+        "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # first-last frame
     },
     scale_in_up=(
         "patch_embedding",
