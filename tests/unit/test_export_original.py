@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from litegen.config.sections import LoRAConfig
 from litegen.export import write_export
-from litegen.families.original_format import WAN_KEY_MAP, lora_to_original
+from litegen.families.original_format import KEY_MAPS, WAN_KEY_MAP, KeyMap, lora_to_original
 from litegen.lora import adapter_alpha_state, apply_lora
 from litegen.pretrained import load_component
 from litegen_cli.app import app
@@ -48,6 +48,19 @@ def test_a_lora_export_writes_the_original_format_beside_diffusers_and_peft(tmp_
     want = lora_to_original(adapter_alpha_state(transformer, state), WAN_KEY_MAP)
     assert written.keys() == want.keys()
     assert all(torch.equal(written[k], want[k]) for k in want)
+
+
+def test_adapters_the_original_lacks_leave_the_diffusers_files_and_a_warning(
+    tmp_path, caplog, monkeypatch
+):
+    only_q = KeyMap(modules={"blocks.{i}.self_attn.q": ("blocks.{i}.attn1.to_q",)})
+    monkeypatch.setitem(KEY_MAPS, "WanTransformer3DModel", only_q)
+    transformer = load_component(tiny_pipeline_folder("wan"), "transformer")
+    apply_lora(transformer, LoRAConfig(rank=2, target_modules=["to_q", "to_k"]))
+    out = write_export(transformer, transformer.state_dict(), tiny_pipeline_folder("wan"),
+                       tmp_path / "lora", name="run")  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["run.lora.safetensors", "run.peft"]
+    assert "no module for the LoRA of blocks.0.attn1.to_k" in caplog.text
 
 
 def test_a_full_export_links_the_frozen_components_and_loads(tmp_path):

@@ -122,8 +122,10 @@ def write_original_lora(
     transformer: nn.Module, state: Mapping[str, torch.Tensor], path: Path
 ) -> Path | None:
     """Write ``transformer``'s adapters in its original checkpoint's layout to ``path``
-    (:func:`litegen.families.original_format.lora_to_original`), alpha kept; None (nothing
-    written) when LiteGen knows no original layout for its class.
+    (:func:`litegen.families.original_format.lora_to_original`), alpha kept. None, with a
+    logged reason and nothing written, when LiteGen knows no original layout for its class or
+    an adapted module has no original counterpart: the diffusers-format files are the export
+    then, and a finished run does not fail over the extra file.
 
     Example::
 
@@ -138,7 +140,11 @@ def write_original_lora(
         )
         return None
     rows = {clean_name(k): v for k, v in output_rows(transformer).items()}
-    tensors = lora_to_original(adapter_alpha_state(transformer, state), key_map, rows=rows)
+    try:
+        tensors = lora_to_original(adapter_alpha_state(transformer, state), key_map, rows=rows)
+    except ValueError as err:
+        log.warning("No original-format LoRA written (%s): %s", path.name, err)
+        return None
     return save_state(tensors, path, {"format": "pt"})
 
 
