@@ -90,6 +90,11 @@ def test_a_full_export_links_the_frozen_components_and_loads(tmp_path):
     )
     assert all(torch.equal(single.state_dict()[k], v) for k, v in state.items())
 
+    # A second export onto the first removes the old folder's links, never what they point to.
+    write_export(transformer, state, source, out, name="ft")
+    assert all(any((source / name).iterdir()) for name in frozen)
+    assert not (out / "ft.original.safetensors").exists()
+
 
 def test_an_unknown_original_layout_is_refused_before_anything_is_written(tmp_path):
     model = nn.Linear(2, 2)
