@@ -102,7 +102,7 @@ def write_export(
 def link_frozen_components(pipeline: str | Path, folder: Path) -> None:
     """Fill ``folder`` with the pipeline folder ``pipeline`` but its trained component: its
     top-level files (``model_index.json``) copied, every other component folder a symbolic
-    link to the source's (absolute), so multi-gigabyte encoders are never copied.
+    link to the source's (its absolute real path), so multi-gigabyte encoders are never copied.
     ``DiffusionPipeline.from_pretrained`` follows the links; moving or deleting the source
     folder breaks them (``cp -rL`` makes a standalone copy).
 
@@ -113,7 +113,8 @@ def link_frozen_components(pipeline: str | Path, folder: Path) -> None:
     source = Path(pipeline).resolve()
     for part in source.iterdir():
         if part.is_dir() and part.name != TRAINED:
-            os.symlink(part, folder / part.name, target_is_directory=True)
+            # To the real folder: an export made from an export links past it, not through it.
+            os.symlink(part.resolve(), folder / part.name, target_is_directory=True)
         elif part.is_file():
             shutil.copy2(part, folder / part.name)
 
