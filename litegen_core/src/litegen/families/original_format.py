@@ -79,7 +79,12 @@ class KeyMap:
         return None
 
     def find_diffusers(self, original: str) -> tuple[Part, ...] | None:
-        """The diffusers parts of the ``original`` module, or None when no entry names it."""
+        """The diffusers parts of the ``original`` module, or None when no entry names it.
+
+        Example:
+            >>> [part.module for part in FLUX_KEY_MAP.find_diffusers("double_blocks.2.txt_attn.qkv")]
+            ['transformer_blocks.2.attn.add_q_proj', 'transformer_blocks.2.attn.add_k_proj', 'transformer_blocks.2.attn.add_v_proj']
+        """
         for pattern, parts in self.modules.items():
             match = _compiled(pattern).fullmatch(original)
             if match:
