@@ -51,7 +51,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.utils.encode",
     ),
     # Facts about a model's modules.
-    ("litegen.blocks", "litegen.module_paths", "litegen.gelu_mlps", "litegen.flop_counter"),
+    (
+        "litegen.blocks",
+        "litegen.module_paths",
+        "litegen.gelu_mlps",
+        "litegen.flop_counter",
+        "litegen.families.original_format",  # the original checkpoints' key maps; torch only
+    ),
     ("litegen.config", "litegen.utils"),  # the config and the strategy table; no torch
 )
 

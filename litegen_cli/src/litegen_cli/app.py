@@ -290,17 +290,29 @@ def export(
             show_default=False,
         ),
     ] = None,
+    original: Annotated[
+        bool,
+        typer.Option(
+            "--original",
+            help="Full fine-tuning: also write the transformer as one safetensors file in the "
+            "original model's key layout, <exp_name>.original.safetensors (ComfyUI's "
+            "diffusion_models, from_single_file). LoRA runs always write "
+            "<exp_name>.original.lora.safetensors where the family's layout is known.",
+        ),
+    ] = False,
 ) -> None:
     """Export a fine-tuning run checkpoint as the end of the run does, in this one process.
 
-    Full fine-tuning: a pipeline folder that `DiffusionPipeline.from_pretrained` loads. LoRA:
-    `<exp_name>[.ema].lora.safetensors` (`pipe.load_lora_weights`) and the peft folder
-    `<exp_name>[.ema].peft`. See docs/finetune.md.
+    Full fine-tuning: a pipeline folder that `DiffusionPipeline.from_pretrained` loads, its
+    frozen components linked to the source folder's. LoRA:
+    `<exp_name>[.ema].lora.safetensors` (`pipe.load_lora_weights`), the peft folder
+    `<exp_name>[.ema].peft` and `<exp_name>[.ema].original.lora.safetensors` (ComfyUI). See
+    docs/finetune.md.
     """
     from litegen.export import export_checkpoint  # imports torch
 
     try:
-        written = export_checkpoint(checkpoint, out, ema=ema, pipeline=pipeline)
+        written = export_checkpoint(checkpoint, out, ema=ema, pipeline=pipeline, original=original)
     except (ValueError, FileNotFoundError) as err:
         render.print_error("Cannot export", [str(err)])
         raise typer.Exit(EXIT_BAD_INPUT) from None

@@ -3,18 +3,28 @@
 A run that trains the transformer of a pipeline folder (``model.pretrained``) exports either
 
 * the whole pipeline folder with the trained transformer (full fine-tuning), which
-  ``DiffusionPipeline.from_pretrained`` loads, or
+  ``DiffusionPipeline.from_pretrained`` loads. Its frozen components (text encoders, VAE,
+  tokenizers, scheduler) are symbolic links to the source folder's, never copies; with
+  ``original=True`` the transformer is also written as one safetensors file in the original
+  model's key layout, ``<name>.original.safetensors`` (ComfyUI's diffusion-model loader,
+  ``from_single_file``), or
 * its LoRA adapters (a LoRA run): ``<name>.lora.safetensors`` in diffusers' layout, which
-  ``pipe.load_lora_weights`` loads, and the peft folder ``<name>.peft``, which
-  ``PeftModel.from_pretrained`` loads.
+  ``pipe.load_lora_weights`` loads, the peft folder ``<name>.peft``, which
+  ``PeftModel.from_pretrained`` loads, and, for a transformer whose original layout LiteGen
+  knows (:mod:`litegen.families.original_format`), ``<name>.original.lora.safetensors`` in
+  that layout with alpha kept, which ComfyUI's LoRA loaders and ``pipe.load_lora_weights``
+  read.
 
 :func:`write_export` writes either from the transformer and its full weights; the end of a run
 calls it with the gathered weights, and :func:`export_checkpoint` (``litegen export``) with the
 weights of a ``step_<N>`` run checkpoint, read in one process without the ranks that saved it.
+Every file is written under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import uuid
 import warnings
@@ -27,10 +37,23 @@ from torch import nn
 from litegen.checkpoint.files import check_model_state, replace_dir, save_state
 from litegen.checkpoint.interop import write_diffusers_folder
 from litegen.checkpoint.step_dirs import read_config_text, read_metadata, resolve_checkpoint
-from litegen.lora import adapter_file_state, has_adapters, save_peft_folder
+from litegen.families.original_format import (
+    KEY_MAPS,
+    KeyMap,
+    key_map_for,
+    lora_to_original,
+    output_rows,
+    weights_to_original,
+)
+from litegen.lora import adapter_alpha_state, adapter_file_state, has_adapters, save_peft_folder
+from litegen.module_paths import clean_name
 from litegen.pretrained import check_pipeline_folder, load_component
 
+log = logging.getLogger("litegen")
+
 TRAINED = "transformer"  # the pipeline component the fine-tuning recipes train
+ORIGINAL_LORA_SUFFIX = ".original.lora.safetensors"
+ORIGINAL_WEIGHTS_SUFFIX = ".original.safetensors"
 
 
 def write_export(
@@ -41,13 +64,17 @@ def write_export(
     *,
     name: str,
     lora_prefix: str = TRAINED,
+    original: bool = False,
 ) -> Path:
     """Write the export of ``transformer`` with the full weights ``state`` into ``out``.
 
-    With LoRA adapters on ``transformer``: ``out/<name>.lora.safetensors`` and
-    ``out/<name>.peft``. Without: ``out`` becomes the pipeline folder ``pipeline`` with
-    ``state`` as its transformer, written under a temporary name and renamed into place. Call
-    on one process.
+    With LoRA adapters on ``transformer``: ``out/<name>.lora.safetensors``, ``out/<name>.peft``
+    and, where the transformer's original layout is known, ``out/<name>.original.lora
+    .safetensors``. Without: ``out`` becomes the pipeline folder ``pipeline`` with ``state`` as
+    its transformer and its other components linked (:func:`link_frozen_components`), written
+    under a temporary name and renamed into place; ``original`` adds
+    ``out/<name>.original.safetensors``, the transformer in its original layout. Call on one
+    process.
 
     Example::
 
@@ -59,16 +86,92 @@ def write_export(
         tensors, metadata = adapter_file_state(transformer, state, lora_prefix)
         save_state(tensors, out / f"{name}.lora.safetensors", metadata)
         save_peft_folder(transformer, state, out / f"{name}.peft")
+        write_original_lora(transformer, state, out / f"{name}{ORIGINAL_LORA_SUFFIX}")
         return out
+    if original:
+        _original_key_map(transformer)  # refused before anything is written
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     partial.mkdir(parents=True)
-    for part in Path(pipeline).iterdir():
-        if part.is_dir() and part.name != TRAINED:
-            shutil.copytree(part, partial / part.name)
-        elif part.is_file():
-            shutil.copy2(part, partial / part.name)
+    link_frozen_components(pipeline, partial)
     write_diffusers_folder(transformer, state, partial / TRAINED)
+    if original:
+        write_original_weights(transformer, state, partial / f"{name}{ORIGINAL_WEIGHTS_SUFFIX}")
     return replace_dir(partial, out)
+
+
+def link_frozen_components(pipeline: str | Path, folder: Path) -> None:
+    """Fill ``folder`` with the pipeline folder ``pipeline`` but its trained component: its
+    top-level files (``model_index.json``) copied, every other component folder a symbolic
+    link to the source's (its absolute real path), so multi-gigabyte encoders are never copied.
+    ``DiffusionPipeline.from_pretrained`` follows the links; moving or deleting the source
+    folder breaks them (``cp -rL`` makes a standalone copy).
+
+    Example::
+
+        link_frozen_components("tiny_wan", Path("results/pipeline"))
+    """
+    source = Path(pipeline).resolve()
+    for part in source.iterdir():
+        if part.is_dir() and part.name != TRAINED:
+            # To the real folder: an export made from an export links past it, not through it.
+            os.symlink(part.resolve(), folder / part.name, target_is_directory=True)
+        elif part.is_file():
+            shutil.copy2(part, folder / part.name)
+
+
+def write_original_lora(
+    transformer: nn.Module, state: Mapping[str, torch.Tensor], path: Path
+) -> Path | None:
+    """Write ``transformer``'s adapters in its original checkpoint's layout to ``path``
+    (:func:`litegen.families.original_format.lora_to_original`), alpha kept. None, with a
+    logged reason and nothing written, when LiteGen knows no original layout for its class or
+    an adapted module has no original counterpart: the diffusers-format files are the export
+    then, and a finished run does not fail over the extra file.
+
+    Example::
+
+        write_original_lora(wan, wan.state_dict(), Path("out/run.original.lora.safetensors"))
+    """
+    key_map = key_map_for(transformer)
+    if key_map is None:
+        log.info(
+            "No original-format LoRA for %s: LiteGen knows the original layout of %s only.",
+            type(transformer).__name__,
+            ", ".join(sorted(KEY_MAPS)),
+        )
+        return None
+    rows = {clean_name(k): v for k, v in output_rows(transformer).items()}
+    try:
+        tensors = lora_to_original(adapter_alpha_state(transformer, state), key_map, rows=rows)
+    except ValueError as err:
+        log.warning("No original-format LoRA written (%s): %s", path.name, err)
+        return None
+    return save_state(tensors, path, {"format": "pt"})
+
+
+def write_original_weights(
+    transformer: nn.Module, state: Mapping[str, torch.Tensor], path: Path
+) -> Path:
+    """Write the full weights ``state`` of ``transformer`` as one safetensors file in its
+    original checkpoint's layout (what ComfyUI's diffusion-model loader and diffusers'
+    ``from_single_file`` read). ``ValueError`` for a class of unknown original layout.
+
+    Example::
+
+        write_original_weights(flux, flux.state_dict(), Path("out/ft.original.safetensors"))
+    """
+    tensors = weights_to_original(state, _original_key_map(transformer))
+    return save_state(tensors, path, {"format": "pt"})
+
+
+def _original_key_map(transformer: nn.Module) -> KeyMap:
+    key_map = key_map_for(transformer)
+    if key_map is None:
+        raise ValueError(
+            f"LiteGen knows no original checkpoint layout for {type(transformer).__name__} "
+            f"(it knows {', '.join(sorted(KEY_MAPS))}); export without --original."
+        )
+    return key_map
 
 
 def checkpoint_weights(
@@ -124,6 +227,7 @@ def export_checkpoint(
     *,
     ema: bool | None = None,
     pipeline: str | Path | None = None,
+    original: bool = False,
 ) -> Path:
     """Export a fine-tuning run checkpoint like the end of the run exports (:func:`write_export`).
 
@@ -131,6 +235,7 @@ def export_checkpoint(
     ``out``: by default ``<checkpoint_dir>/exports/step_<N>``; an existing one is refused.
     ``ema``: the EMA weights (default: the run's ``trainer.export_ema`` when it kept an EMA).
     ``pipeline``: the pipeline folder the run fine-tuned (default: its ``model.pretrained``).
+    ``original``: a full fine-tune also writes its transformer in the original layout.
     Raises ``ValueError`` or ``FileNotFoundError`` naming the path and the fix.
 
     Example::
@@ -171,7 +276,9 @@ def export_checkpoint(
     state = checkpoint_weights(model_dir, transformer, ema=use_ema)
     name = export_name(config.get("exp_name", "model"), use_ema)
     prefix = lora.prefix if lora else TRAINED
-    return write_export(transformer, state, folder, out, name=name, lora_prefix=prefix)
+    return write_export(
+        transformer, state, folder, out, name=name, lora_prefix=prefix, original=original
+    )
 
 
 def export_name(exp_name: str, ema: bool) -> str:

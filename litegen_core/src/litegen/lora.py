@@ -275,6 +275,31 @@ def adapter_file_state(
     return tensors, metadata
 
 
+def adapter_alpha_state(
+    model: nn.Module, state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The adapter tensors of ``state`` as trained, keyed ``<module>.lora_A.weight`` and
+    ``<module>.lora_B.weight``, with each module's ``<module>.alpha`` (its scale times its
+    rank): the kohya-style layout the original-format converters read.
+
+    Example:
+        >>> from litegen.config.sections import LoRAConfig
+        >>> dit = nn.ModuleDict({"to_q": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+        >>> dit = apply_lora(dit, LoRAConfig(rank=4, alpha=8, target_modules=["to_q"]))
+        >>> adapter_alpha_state(dit, dit.state_dict())["to_q.alpha"]
+        tensor(8.)
+    """
+    adapter = _adapter_name(model)
+    scales = _scales(model, adapter)
+    tensors = {key: state[name] for key, name in _exported_names(model).items()}
+    for key, value in list(tensors.items()):
+        layer, sep, _ = key.partition(".lora_A.")
+        if sep:
+            alpha = scales.get(layer, 1.0) * value.shape[0]
+            tensors[f"{layer}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+    return tensors
+
+
 def save_peft_folder(model: nn.Module, state: Mapping[str, torch.Tensor], folder: Path) -> Path:
     """Write ``model``'s adapters as a peft folder: ``adapter_config.json`` (the true rank and
     alpha) and ``adapter_model.safetensors`` (the weights as trained), which
