@@ -286,7 +286,7 @@ def export(
         typer.Option(
             "--pipeline",
             help="The pipeline folder the run fine-tuned, if it moved. Default: the run's "
-            "model.pretrained.",
+            "finetune.pipeline.",
             show_default=False,
         ),
     ] = None,
@@ -298,8 +298,10 @@ def export(
     `<exp_name>[.ema].peft`. See docs/finetune.md.
     """
     from litegen.export import export_checkpoint  # imports torch
+    from litegen.finetune.pipeline import checkpoint_pipeline
 
     try:
+        pipeline = pipeline or checkpoint_pipeline(checkpoint)
         written = export_checkpoint(checkpoint, out, ema=ema, pipeline=pipeline)
     except (ValueError, FileNotFoundError) as err:
         render.print_error("Cannot export", [str(err)])
