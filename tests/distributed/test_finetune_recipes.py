@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from litegen.finetune import CaptionDropout
+from litegen.finetune.training import CaptionDropout
 from litegen_cli.app import app
 from tests.distributed.harness import run_ranks
 from tests.media import make_media_folder

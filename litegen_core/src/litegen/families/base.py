@@ -5,7 +5,9 @@ the pipeline and transformer classes, which components train and which stay froz
 rules (VAE compression in space and time, patch size, normalisation, frame counts), the
 conditions the transformer takes and how each is encoded, the training forward, the
 sequence-parallel plan, a tiny configuration for tests and how the pipeline draws a validation
-sample. The fine-tuning road (:mod:`litegen.finetune`), the built-in sequence plans, the zoo's
+sample. A family module imports torch and diffusers inside its methods only: the registry
+loads without them, so the CLI checks a fine-tuning recipe before any rank starts without
+importing torch. The fine-tuning road (:mod:`litegen.finetune`), the built-in sequence plans, the zoo's
 real models and ``litegen_zoo.make_tiny_pipeline`` read these declarations.
 
 Example::
@@ -21,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from litegen.data import MediaBuckets
-from litegen.objectives import FlowMatching, resolution_shift
 
 if TYPE_CHECKING:
+    import torch
+
+    from litegen.objectives import FlowMatching
     from litegen.parallel.sequence.plan import SequencePlan
 
 
@@ -137,6 +139,8 @@ class Family:
     # -- training ---------------------------------------------------------------------------
     def shift_for(self, seq_len: int) -> float | None:
         """The shift the pipeline samples ``seq_len`` tokens with, if it shifts by resolution."""
+        from litegen.objectives import resolution_shift
+
         config = self.scheduler_config
         if not config.get("use_dynamic_shifting"):
             return None  # the objective's own shift, from the config
@@ -164,6 +168,8 @@ class Family:
         self, model: Any, batch: dict[str, torch.Tensor], objective: FlowMatching
     ) -> torch.Tensor:
         """The flow-matching loss of a batch of cached latents and conditions."""
+        import torch
+
         x0 = batch["latents"].float()
         noise = torch.randn_like(x0)
         shift = self.shift_for(self.seq_len(x0))

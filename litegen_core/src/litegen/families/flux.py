@@ -16,9 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from litegen.families.base import (
     Family,
@@ -28,7 +26,9 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.utils.encode import vae_encode
+
+if TYPE_CHECKING:
+    import torch
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,8 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 def image_ids(height: int, width: int) -> torch.Tensor:
     """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column)."""
+    import torch
+
     ids = torch.zeros(height // 2, width // 2, 3)
     ids[..., 1] = torch.arange(height // 2)[:, None]
     ids[..., 2] = torch.arange(width // 2)[None, :]
@@ -99,6 +101,7 @@ class Flux(Family):
     @classmethod
     def tiny_pipeline(cls, seed: int = 0) -> Any:
         """A ``FluxPipeline``: tiny CLIP and T5 encoders, an 8x ``AutoencoderKL``, Flux's MMDiT."""
+        import torch
         from diffusers import (
             AutoencoderKL,
             FlowMatchEulerDiscreteScheduler,
@@ -137,6 +140,8 @@ class Flux(Family):
         )
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
+        from litegen.utils.encode import vae_encode
+
         # (z - shift_factor) * scaling_factor, the inverse of the pipeline's decode.
         return vae_encode(pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False)
 
@@ -150,6 +155,8 @@ class Flux(Family):
         return {"prompt_embeds": prompt_embeds, "pooled": pooled}
 
     def predict(self, model, noisy, sigmas, batch):
+        import torch
+
         b, _, h, w = noisy.shape
         dtype = model_dtype(model)
         text = batch["prompt_embeds"].to(dtype)

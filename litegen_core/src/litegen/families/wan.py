@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from litegen.families.base import (
     Family,
     LatentRules,
@@ -26,9 +24,10 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.utils.encode import vae_encode
 
 if TYPE_CHECKING:
+    import torch
+
     from litegen.parallel.sequence.plan import SequencePlan
 
 
@@ -81,6 +80,7 @@ class Wan(Family):
     @classmethod
     def tiny_pipeline(cls, seed: int = 0) -> Any:
         """A ``WanPipeline``: a tiny UMT5, a Wan VAE (8x in space, 4x in time) and transformer."""
+        import torch
         from diffusers import (
             AutoencoderKLWan,
             FlowMatchEulerDiscreteScheduler,
@@ -128,6 +128,10 @@ class Wan(Family):
         return 2 ** sum(vae_config.get("temperal_downsample", [False, True, True]))
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
+        import torch
+
+        from litegen.utils.encode import vae_encode
+
         if pixels.dim() == 4:  # images (max_frames=1): one-frame videos
             pixels = pixels.unsqueeze(2)
         vae = pipe.vae

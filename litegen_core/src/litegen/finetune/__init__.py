@@ -20,17 +20,62 @@ loss is flow matching with the pipeline scheduler's shift. At the end, ``finish`
 ``<results_dir>/pipeline`` (full fine-tuning) or ``<results_dir>/lora`` (the LoRA adapters).
 """
 
-from litegen.finetune.cache import build_cache
-from litegen.finetune.checks import check_inputs
-from litegen.finetune.sampling import finish, sample
-from litegen.finetune.training import CaptionDropout, build, train_step
+from __future__ import annotations
 
-__all__ = [
-    "CaptionDropout",
-    "build",
-    "build_cache",
-    "check_inputs",
-    "finish",
-    "sample",
-    "train_step",
-]
+from typing import TYPE_CHECKING, Any
+
+from litegen.finetune.checks import check_inputs
+
+if TYPE_CHECKING:
+    import torch
+
+    from litegen.families import Family
+    from litegen.finetune.training import CaptionDropout
+    from litegen.objectives import FlowMatching
+
+# The hooks below import their module (and torch) when called: the CLI imports this entry to
+# run check_inputs before any rank starts, and inspect-config imports no torch.
+
+
+def build(config: Any) -> dict[str, Any]:
+    """:func:`litegen.finetune.training.build`."""
+    from litegen.finetune.training import build
+
+    return build(config)
+
+
+def train_step(
+    batch: dict[str, torch.Tensor],
+    model: Any,
+    family: Family,
+    objective: FlowMatching,
+    caption_dropout: CaptionDropout,
+) -> torch.Tensor:
+    """:func:`litegen.finetune.training.train_step`."""
+    from litegen.finetune.training import train_step
+
+    return train_step(batch, model, family, objective, caption_dropout)
+
+
+def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
+    """:func:`litegen.finetune.sampling.sample`."""
+    from litegen.finetune.sampling import sample
+
+    return sample(model, gen, config, family)
+
+
+def finish(gen: Any, config: Any, model: Any) -> None:
+    """:func:`litegen.finetune.sampling.finish`."""
+    from litegen.finetune.sampling import finish
+
+    finish(gen, config, model)
+
+
+def build_cache(config: Any) -> tuple:
+    """:func:`litegen.finetune.cache.build_cache`: the hook of ``litegen cache build``."""
+    from litegen.finetune.cache import build_cache
+
+    return build_cache(config)
+
+
+__all__ = ["build", "build_cache", "check_inputs", "finish", "sample", "train_step"]

@@ -1,6 +1,6 @@
 """The media folder of a fine-tuning run: its dataset, and what can be known of it before any
 rank starts (the family's frame rule, settings that do not apply, which buckets can fill a
-global batch), from a scan that reads sizes and lengths and encodes nothing.
+global batch), from a scan that reads sizes and lengths and encodes nothing, without torch.
 
 Example::
 
@@ -10,12 +10,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from litegen.data import MediaBuckets, MediaDataset
+from litegen.data.media_buckets import MediaBuckets
 from litegen.data.media_files import media_paths, scan_media
 from litegen.families import Family
 from litegen.finetune.pipeline import pipeline_folder, read_json, settings
+
+if TYPE_CHECKING:
+    from litegen.data import MediaDataset
 
 
 def media_folder(config: Any) -> str:
@@ -36,6 +39,8 @@ def bucket_rule(config: Any, family: Family) -> MediaBuckets:
 
 def media_dataset(config: Any, family: Family) -> MediaDataset:
     """The bucketed ``(pixels, caption)`` samples of ``finetune.data.folder``."""
+    from litegen.data import MediaDataset
+
     data = settings(config).data
     return MediaDataset(
         media_folder(config), buckets=bucket_rule(config, family), on_bad=data.on_bad

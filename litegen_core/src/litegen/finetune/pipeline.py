@@ -1,5 +1,6 @@
 """The pipeline folder a fine-tuning run trains: where it is, its family, its transformer and
-the objective its scheduler samples with.
+the objective its scheduler samples with. Torch is imported on first use (the checks before
+launch need none).
 
 Example::
 
@@ -13,14 +14,15 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint
 from litegen.families import Family, family_for_pipeline
-from litegen.objectives import FlowMatching
 from litegen.pretrained import check_pipeline_folder, load_component
+
+if TYPE_CHECKING:
+    import torch
+
+    from litegen.objectives import FlowMatching
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -64,6 +66,8 @@ def pipeline_family(config: Any) -> Family:
 
 def make_objective(config: Any) -> FlowMatching:
     """Flow matching with the scheduler's shift and ``finetune.objective``'s settings."""
+    from litegen.objectives import FlowMatching
+
     folder = pipeline_folder(config)
     options = {k: v for k, v in settings(config).objective.to_dict().items() if v is not None}
     scheduler = read_json(folder / "scheduler" / "scheduler_config.json")
@@ -73,6 +77,8 @@ def make_objective(config: Any) -> FlowMatching:
 def load_transformer(config: Any) -> torch.nn.Module:
     """The pipeline's transformer; on the meta device when ``runtime.device`` is ``meta``
     (``litegen inspect-config --estimate``): built from its ``config.json``, no weights read."""
+    import torch
+
     folder = pipeline_folder(config)
     if config.runtime.device != "meta":
         return load_component(folder, "transformer")
@@ -85,6 +91,8 @@ def load_transformer(config: Any) -> torch.nn.Module:
 def checkpoint_pipeline(checkpoint: str | Path) -> str | None:
     """The ``finetune.pipeline`` of the run that wrote ``checkpoint`` (a ``step_<N>`` folder
     or its checkpoint_dir), or None: the folder ``litegen export`` exports against."""
+    from litegen.checkpoint.step_dirs import read_config_text, resolve_checkpoint
+
     config = read_config_text(resolve_checkpoint(checkpoint))
     return (config.get("finetune") or {}).get("pipeline")
 
