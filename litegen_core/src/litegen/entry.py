@@ -3,7 +3,7 @@
 module = load_entry("recipes/digits_dit.py")          # a file
 module = load_entry("recipes.digits_dit", base_dir)   # or an importable module name
 names = parts_to_prepare(module.build(config), "recipes/digits_dit.py")
-check_inputs(config, "recipes/finetune.py")           # its check_inputs(config) hook, if any
+check_inputs(config, "litegen.finetune")              # its check_inputs(config) hook, if any
 
 What ``build(config)`` returns is a dict of named objects. Models (``nn.Module``), optimizers,
 ``DataLoader`` objects and datasets are prepared; a dataset is a ``torch.utils.data.Dataset`` (map
