@@ -51,7 +51,9 @@ def test_typos_and_ranges_are_refused_at_once_naming_each_field():
     assert "did you mean 'caption_dropout'?" in out and "did you mean 'pipeline'?" in out
 
 
-def test_the_earlier_spellings_are_read_with_a_warning_and_their_typos_refused():
+def test_the_earlier_spellings_are_read_with_a_warning_and_their_typos_refused(media):
+    from tests.pipelines import tiny_pipeline_folder
+
     raw = {"finetune": {"data": {"resolution": 64}}, "model": {"pretrained": "p", "depth": 2},
            "data": {"caption_dropout": 0.2}, "objective": {"weighting": "cosmap"}}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -60,7 +62,7 @@ def test_the_earlier_spellings_are_read_with_a_warning_and_their_typos_refused()
     assert config.finetune.pipeline == "p" and config.finetune.data.caption_dropout == 0.2
     assert config.finetune.data.resolution == 64 and config.finetune.objective.weighting == "cosmap"
     assert config.model.depth == 2 and "data" not in config  # the user's own field stays
-    said = sorted(str(w.message) for w in caught if w.category is FutureWarning)
+    said = sorted(str(w.message) for w in caught if issubclass(w.category, FutureWarning))
     assert said == [
         "data.caption_dropout is deprecated: use finetune.data.caption_dropout",
         "model.pretrained is deprecated: use finetune.pipeline",
@@ -70,6 +72,16 @@ def test_the_earlier_spellings_are_read_with_a_warning_and_their_typos_refused()
         ConfigError, match=r"finetune.data.caption_dropuot.*did you mean 'caption_dropout'"
     ):
         MainConfig.from_dict({"finetune": {}, "data": {"caption_dropuot": 0.5}})
+    # The CLI lists them with the recipe's warnings, and refuses the old spelling's typo.
+    wan = [f"model.pretrained={tiny_pipeline_folder('wan')}", f"data.folder={media}",
+           "global_batch_size=2", "data.max_frames=9"]  # fmt: skip
+    code, out = inspect(VIDEO, *wan, "data.caption_dropout=0.1")
+    assert (
+        code == 0 and "data.caption_dropout is deprecated: use finetune.data.caption_dropout" in out
+    )
+    assert "model.pretrained is deprecated: use finetune.pipeline" in out
+    code, out = inspect(VIDEO, *wan, "data.caption_dropuot=0.1")
+    assert code == 2 and "field 'finetune.data.caption_dropuot'" in out
 
 
 def test_paths_are_absolute_when_the_recipe_is_loaded(tmp_path, monkeypatch):

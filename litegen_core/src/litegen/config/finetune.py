@@ -10,8 +10,9 @@ Unknown keys are refused with a did-you-mean hint and every range is checked her
 torch. What needs the pipeline folder or the media (the family's frame rule, which buckets can
 fill a global batch) is checked by :func:`litegen.finetune.check_inputs` before the ranks
 start. The recipe spellings of earlier versions (``model.pretrained``, ``data.*``,
-``objective.*`` at the top level) are read into this section with a ``FutureWarning`` naming
-the new field, when the config has a ``finetune`` section.
+``objective.*`` at the top level) are read into this section with a
+:class:`DeprecatedFieldWarning` (a ``FutureWarning``) naming the new field, when the config has
+a ``finetune`` section; the CLI shows them with the recipe's other warnings.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from pydantic import Field
 
 from litegen.config.base import Section
 from litegen.config.checks import near_miss
+
+
+class DeprecatedFieldWarning(FutureWarning):
+    """A field read under the spelling of an earlier version; the message names the new one."""
 
 
 class FinetuneDataConfig(Section):
@@ -120,7 +125,8 @@ def move_deprecated_fields(data: Any) -> Any:
         moves += [(f"{old}.{key}", f"{new}.{key}", value) for key, value in known.items()]
     for old, new, value in moves:
         if new.rpartition(".")[2] in _all_fields():  # a near miss is refused, not renamed
-            warnings.warn(f"{old} is deprecated: use finetune.{new}", FutureWarning, stacklevel=3)
+            message = f"{old} is deprecated: use finetune.{new}"
+            warnings.warn(message, DeprecatedFieldWarning, stacklevel=3)
         head, _, field = new.rpartition(".")
         target = section
         if head:
@@ -131,6 +137,7 @@ def move_deprecated_fields(data: Any) -> Any:
 
 
 __all__ = [
+    "DeprecatedFieldWarning",
     "FinetuneConfig",
     "FinetuneDataConfig",
     "FinetuneObjectiveConfig",

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from litegen.finetune.media import media_problems
@@ -39,8 +40,9 @@ def check_inputs(config: Any) -> None:
     elif family is not None:
         errors, warnings = media_problems(config, family)
         problems += errors
-        for line in warnings:
-            log.warning(line)
+        if os.environ.get("RANK", "0") == "0":  # said once: by the launcher, then rank 0
+            for line in warnings:
+                log.warning(line)
     if problems:
         raise ValueError("\n".join(problems))
 
