@@ -544,3 +544,19 @@ def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
     result = invoke("inspect-config", write_recipe(tmp_path), *lora)
     assert result.exit_code == 0, result.output
     assert "frozen Linear weights in fp8" in " ".join(result.output.split())
+
+
+def test_torchruns_banner_and_agent_logs_are_silenced(caplog):
+    """torchrun's launcher warns about OMP_NUM_THREADS in a banner on every launch of 2+ ranks
+    (then sets it to 1 itself); the CLI keeps the launcher's and the agent's loggers quiet."""
+    import logging
+
+    import torch.distributed.run
+
+    launcher._quiet_torchrun()
+    for name in ("torch.distributed.run", "torch.distributed.elastic.agent.server.api"):
+        logger = logging.getLogger(name)
+        with caplog.at_level(logging.WARNING):
+            logger.warning("banner")
+        assert logger.level == logging.CRITICAL, name
+    assert torch.distributed.run.__name__ not in [r.name for r in caplog.records]
