@@ -22,7 +22,9 @@ import pkgutil
 
 from litegen.families.base import Family, LatentRules
 
-NOT_FAMILIES = frozenset({"base", "tiny_text"})  # this package's modules that declare none
+# This package's modules that declare no family: not imported by the registry (so the
+# registry stays torch-free whatever they import).
+NOT_FAMILIES = frozenset({"base", "tiny_text", "original_format"})
 
 
 @functools.cache
