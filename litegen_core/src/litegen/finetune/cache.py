@@ -32,8 +32,7 @@ from litegen.cache import TensorCache, fill_cache, fingerprint
 from litegen.data import BucketBatchSampler, MediaDataset
 from litegen.families import Family
 from litegen.finetune.media import media_dataset
-from litegen.finetune.pipeline import pipeline_family, pipeline_folder, settings
-from litegen.pretrained import load_pipeline
+from litegen.finetune.pipeline import frozen_pipeline, pipeline_family, pipeline_folder, settings
 
 CACHE_VERSION = 1  # bump when the encoding changes what it stores
 EMPTY_PROMPT = "empty-prompt"  # the cache key of the empty caption's text embeddings
@@ -101,7 +100,7 @@ def encoder(config: Any, family: Family, device: torch.device) -> Callable[[Samp
     def encode(samples: Samples) -> list[dict[str, torch.Tensor]]:
         nonlocal pipe
         if pipe is None:
-            pipe = load_pipeline(pipeline_folder(config), trained=(), transformer=None).to(device)
+            pipe = frozen_pipeline(config).to(device)
         by_shape: dict[tuple[int, ...] | None, list[int]] = {}
         for index, (pixels, _) in enumerate(samples):
             by_shape.setdefault(None if pixels is None else tuple(pixels.shape), []).append(index)

@@ -11,13 +11,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from litegen.families import Family, family_for_pipeline
-from litegen.pretrained import check_pipeline_folder, load_component
+from litegen.pretrained import check_pipeline_folder, load_component, load_pipeline
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +89,28 @@ def load_transformer(config: Any) -> torch.nn.Module:
         return cls.from_config(cls.load_config(folder / "transformer"))
 
 
+@contextlib.contextmanager
+def _no_loading_bars() -> Any:
+    """diffusers' and transformers' per-component loading bars off: every rank would draw them."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        diffusers_logging.enable_progress_bar()
+        transformers_logging.enable_progress_bar()
+
+
+def frozen_pipeline(config: Any, **kwargs: Any) -> Any:
+    """The pipeline without its transformer, every component frozen (to encode and sample);
+    ``kwargs`` go to ``from_pretrained`` (``torch_dtype``)."""
+    with _no_loading_bars():
+        return load_pipeline(pipeline_folder(config), trained=(), transformer=None, **kwargs)
+
+
 def checkpoint_pipeline(checkpoint: str | Path) -> str | None:
     """The ``finetune.pipeline`` of the run that wrote ``checkpoint`` (a ``step_<N>`` folder
     or its checkpoint_dir), or None: the folder ``litegen export`` exports against."""
@@ -99,6 +122,7 @@ def checkpoint_pipeline(checkpoint: str | Path) -> str | None:
 
 __all__ = [
     "checkpoint_pipeline",
+    "frozen_pipeline",
     "load_transformer",
     "make_objective",
     "pipeline_family",

@@ -15,8 +15,7 @@ import torch
 
 from litegen.export import export_name, write_export
 from litegen.families import Family
-from litegen.finetune.pipeline import pipeline_folder
-from litegen.pretrained import load_pipeline
+from litegen.finetune.pipeline import frozen_pipeline, pipeline_folder
 
 _sampling_pipes: dict[str, Any] = {}  # loaded at the first sample() and kept for the next ones
 
@@ -32,7 +31,7 @@ def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
     folder = str(pipeline_folder(config))
     if folder not in _sampling_pipes:
         dtype = torch.bfloat16 if gen.device.type == "cuda" else None
-        pipe = load_pipeline(folder, trained=(), transformer=None, torch_dtype=dtype)
+        pipe = frozen_pipeline(config, torch_dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         _sampling_pipes[folder] = pipe
     pipe = _sampling_pipes[folder]
