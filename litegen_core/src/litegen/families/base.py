@@ -40,8 +40,9 @@ class LatentRules:
     frame count must be ``k * temporal_compression + 1``: the VAE keeps the first frame alone.
 
     Example:
-        >>> LatentRules(8, 2, "mean/std", temporal_compression=4).frame_problem(8)
-        'max_frames=8 must be k * 4 + 1 frames (e.g. 5 or 9)'
+        >>> rules = LatentRules(8, 2, "(z - mean) / std", temporal_compression=4)
+        >>> rules.spatial_multiple, rules.is_video
+        (16, True)
     """
 
     spatial_compression: int
@@ -57,14 +58,6 @@ class LatentRules:
     @property
     def is_video(self) -> bool:
         return self.temporal_compression is not None
-
-    def frame_problem(self, max_frames: int) -> str | None:
-        """Why ``max_frames`` does not fit this family's frame rule, or None."""
-        step = self.temporal_compression
-        if step is None or ((max_frames - 1) % step == 0 and max_frames >= 1):
-            return None
-        below = (max_frames - 1) // step * step + 1
-        return f"max_frames={max_frames} must be k * {step} + 1 frames (e.g. {below} or {below + step})"
 
 
 class Family:
