@@ -67,10 +67,8 @@ class Family:
     carries the pipeline's scheduler config: a dynamic-shifting one (Flux) shifts the noise
     levels by the latent sequence length, as the pipeline does when it samples.
 
-    ``original_keys`` is the hook for the LoRA key map between diffusers' module names and
-    the original checkpoint's (ComfyUI's ``diffusion_model.<module>`` names): None until the
-    family's map is written; an object with ``to_original(state)`` and ``from_original(state)``
-    that map a LoRA state dict's keys (and fuse or split q/k/v where the original does).
+    :meth:`original_keys` is the hook for the key map between diffusers' module names and the
+    original checkpoint's (ComfyUI's ``diffusion_model.<module>`` names).
     """
 
     name: ClassVar[str]  # the short name: wan, flux
@@ -82,7 +80,6 @@ class Family:
     conditions: ClassVar[dict[str, str]] = {}  # condition name -> how it is encoded
     reference_config: ClassVar[dict[str, Any]] = {}  # the published transformer's config
     tiny_config: ClassVar[dict[str, Any]] = {}  # the tiny transformer's config, for tests
-    original_keys: ClassVar[Any] = None  # the LoRA key map to/from the original checkpoint
 
     def __init__(self, scheduler_config: dict[str, Any] | None = None) -> None:
         self.scheduler_config = dict(scheduler_config or {})
@@ -96,6 +93,14 @@ class Family:
     @classmethod
     def sequence_plan(cls, model: torch.nn.Module) -> SequencePlan | None:
         """The transformer's sequence-parallel plan, or None when it has none."""
+        return None
+
+    @classmethod
+    def original_keys(cls) -> Any:
+        """The key map between the transformer's diffusers module names and the original
+        checkpoint's, for LoRA files (q/k/v fused or split where the original fuses them, alpha
+        kept) and full weights; None while the family has none. A method, so that a family
+        imports its map (and torch) only when an export asks for it."""
         return None
 
     # -- data -------------------------------------------------------------------------------
