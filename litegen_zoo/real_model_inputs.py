@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from litegen.families.flux import Flux
+from litegen.families.wan import Wan
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -115,24 +118,8 @@ def flux_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generat
 
 
 def flux_run(model, config, noisy, t, batch) -> torch.Tensor:
-    b, c, h, w = noisy.shape
-    tokens = noisy.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    tokens = tokens.reshape(b, (h // 2) * (w // 2), c * 4)
-    img_ids = torch.zeros(h // 2, w // 2, 3)
-    img_ids[..., 1] = torch.arange(h // 2)[:, None]
-    img_ids[..., 2] = torch.arange(w // 2)[None, :]
-    out = model(
-        tokens,
-        encoder_hidden_states=batch["text"],
-        pooled_projections=batch["pooled"],
-        timestep=t,  # Flux scales its timestep by 1000 itself
-        img_ids=img_ids.view(-1, 3).to(tokens),
-        txt_ids=torch.zeros(batch["text"].shape[1], 3).to(tokens),
-        guidance=batch["guidance"] if config["guidance_embeds"] else None,
-        return_dict=False,
-    )
-    unpacked = sample(out).view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return unpacked.reshape(b, c, h, w)
+    conditions = {"prompt_embeds": batch["text"], "pooled": batch["pooled"]}
+    return Flux().predict(model, noisy, t, conditions | {"guidance": batch["guidance"]})
 
 
 # -- Wan 2.1: umT5 text tokens, video latents (b, c, f, h, w) -------------------------------
@@ -141,8 +128,7 @@ def wan_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generato
 
 
 def wan_run(model, config, noisy, t, batch) -> torch.Tensor:
-    out = model(noisy, timestep=t * 1000, encoder_hidden_states=batch["text"], return_dict=False)
-    return sample(out)
+    return Wan().predict(model, noisy, t, {"prompt_embeds": batch["text"]})
 
 
 # -- CogVideoX: frames before channels (b, f, c, h, w), text of max_text_seq_length tokens ----

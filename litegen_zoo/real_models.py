@@ -3,7 +3,8 @@
 The table :data:`REAL_MODELS`: one :class:`~litegen_zoo.real_model_spec.RealModel` per
 architecture, with the published config of its reference checkpoint, a tiny config of the same
 class, the latent size each is used at, and the calls that make its conditions and run its
-``forward`` (``real_model_inputs.py``). ``RealModel``, ``Batch`` and ``LatentShape`` are
+``forward`` (``real_model_inputs.py``). The architectures a model family trains (Wan, Flux)
+take their configs and their forward from :mod:`litegen.families`. ``RealModel``, ``Batch`` and ``LatentShape`` are
 importable from here too.
 
 Example:
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from litegen.families.flux import Flux
+from litegen.families.wan import Wan
 from litegen_zoo.real_model_inputs import (
     Batch,
     LatentShape,
@@ -154,31 +157,9 @@ REAL_MODELS: dict[str, RealModel] = {
         ),
         RealModel(
             name="flux",
-            class_name="FluxTransformer2DModel",
-            # black-forest-labs/FLUX.1-dev
-            reference={
-                "patch_size": 1,
-                "in_channels": 64,
-                "num_layers": 19,
-                "num_single_layers": 38,
-                "attention_head_dim": 128,
-                "num_attention_heads": 24,
-                "joint_attention_dim": 4096,
-                "pooled_projection_dim": 768,
-                "guidance_embeds": True,
-                "axes_dims_rope": (16, 56, 56),
-            },
-            tiny=_HEADS
-            | {
-                "patch_size": 1,
-                "in_channels": 16,
-                "num_layers": 2,
-                "num_single_layers": 2,
-                "joint_attention_dim": 16,
-                "pooled_projection_dim": 16,
-                "guidance_embeds": True,
-                "axes_dims_rope": (4, 6, 6),
-            },
+            class_name=Flux.transformer_class,
+            reference=Flux.reference_config,  # black-forest-labs/FLUX.1-dev
+            tiny=Flux.tiny_config | {"guidance_embeds": True},  # the guidance path too
             reference_shape=LatentShape(128, 128, text_tokens=512),
             tiny_shape=LatentShape(8, 8, text_tokens=6),
             latent_layout="bchw",
@@ -188,34 +169,9 @@ REAL_MODELS: dict[str, RealModel] = {
         ),
         RealModel(
             name="wan",
-            class_name="WanTransformer3DModel",
-            # Wan-AI/Wan2.1-T2V-1.3B-Diffusers; 81 frames at 480x832
-            reference={
-                "patch_size": (1, 2, 2),
-                "num_attention_heads": 12,
-                "attention_head_dim": 128,
-                "in_channels": 16,
-                "out_channels": 16,
-                "text_dim": 4096,
-                "freq_dim": 256,
-                "ffn_dim": 8960,
-                "num_layers": 30,
-                "cross_attn_norm": True,
-                "qk_norm": "rms_norm_across_heads",
-                "eps": 1e-6,
-                "rope_max_seq_len": 1024,
-            },
-            tiny=_HEADS
-            | {
-                "patch_size": (1, 2, 2),
-                "in_channels": 4,
-                "out_channels": 4,
-                "text_dim": 16,
-                "freq_dim": 32,
-                "ffn_dim": 64,
-                "num_layers": 2,
-                "rope_max_seq_len": 32,
-            },
+            class_name=Wan.transformer_class,
+            reference=Wan.reference_config,  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers; 81 frames at 480x832
+            tiny=Wan.tiny_config,
             reference_shape=LatentShape(60, 104, frames=21, text_tokens=512),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bcfhw",

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from litegen.entry import load_entry
+from litegen.finetune.training import CaptionDropout
 from litegen_cli.app import app
 from tests.distributed.harness import run_ranks
 from tests.media import make_media_folder
@@ -39,7 +39,7 @@ SHORT = [
     "trainer.sample_every=4",
     "trainer.checkpoint_every=0",
     "trainer.log_every=2",
-    "data.resolution=32",
+    "finetune.data.resolution=32",
     "trainer.validation.steps=2",
     "trainer.validation.height=32",
     "trainer.validation.width=32",
@@ -84,8 +84,8 @@ def test_video_recipe_cache_build_then_train_with_lora(
 
     pipeline = tiny_pipeline_folder("wan")
     cache_root, results = tmp_path / "cache", tmp_path / "results" / "finetune_video"
-    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
-                 f"data.cache_root={cache_root}", f"results_dir={results}", "data.max_frames=9",
+    overrides = [*SHORT, f"finetune.pipeline={pipeline}", f"finetune.data.folder={media}",
+                 f"finetune.data.cache_root={cache_root}", f"results_dir={results}", "finetune.data.max_frames=9",
                  "trainer.validation.frames=9", "trainer.checkpoint_every=4"]  # fmt: skip
     recipe = str(RECIPES / "finetune_video.yaml")
 
@@ -141,9 +141,9 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
 
     pipeline = tiny_pipeline_folder("flux")
     cache_root, results = tmp_path / "cache", tmp_path / "results"
-    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
-                 f"data.cache_root={cache_root}", f"results_dir={results}",
-                 "optimization.lora=null", "data.caption_dropout=0.5",
+    overrides = [*SHORT, f"finetune.pipeline={pipeline}", f"finetune.data.folder={media}",
+                 f"finetune.data.cache_root={cache_root}", f"results_dir={results}",
+                 "optimization.lora=null", "finetune.data.caption_dropout=0.5",
                  "trainer.checkpoint_every=2", "trainer.sample_every=2"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_image.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
@@ -180,7 +180,6 @@ def test_image_recipe_full_fine_tuning_exports_a_pipeline(tmp_path: Path, media:
 
 
 def test_caption_dropout_swaps_whole_samples_for_the_empty_caption() -> None:
-    CaptionDropout = load_entry(str(RECIPES / "finetune.py")).CaptionDropout
     batch = {"latents": torch.randn(4000, 2), "prompt_embeds": torch.ones(4000, 3, 2),
              "pooled": torch.ones(4000, 2)}  # fmt: skip
     empty = {"prompt_embeds": torch.zeros(3, 2), "pooled": torch.zeros(2)}
@@ -203,7 +202,13 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     wan = tiny_pipeline_folder("wan")
 
     def cache_build(pipeline: Path, folder: Path) -> str:
-        args = ["cache", "build", recipe, f"model.pretrained={pipeline}", f"data.folder={folder}"]
+        args = [
+            "cache",
+            "build",
+            recipe,
+            f"finetune.pipeline={pipeline}",
+            f"finetune.data.folder={folder}",
+        ]
         result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
         assert result.exit_code == 2, result.output
         return result.output.replace("\n", "")
@@ -216,9 +221,9 @@ def test_bad_folders_exit_2_naming_the_path(tmp_path: Path, media: Path) -> None
     (other / "model_index.json").write_text(
         json.dumps({**index, "_class_name": "CogVideoXPipeline"})
     )
-    assert "is a CogVideoXPipeline, which recipes/finetune.py does not train" in cache_build(
-        other, media
-    )
+    refused = cache_build(other, media)
+    assert "is a CogVideoXPipeline: no model family trains a CogVideoXPipeline" in refused
+    assert "the families are flux (FluxPipeline), wan (WanPipeline)" in refused
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "holds no images" in cache_build(wan, empty)
@@ -232,7 +237,7 @@ def test_launch_and_inspect_config_refuse_bad_folders_before_the_ranks_start(
     results = tmp_path / "results"
     for command in ("inspect-config", "launch"):
         args = [command, str(RECIPES / "finetune_video.yaml"), "launch.nproc_per_node=1",
-                f"model.pretrained={tiny_pipeline_folder('wan')}", f"data.folder={empty}",
+                f"finetune.pipeline={tiny_pipeline_folder('wan')}", f"finetune.data.folder={empty}",
                 f"results_dir={results}"]  # fmt: skip
         result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
         assert result.exit_code == 2, result.output
@@ -256,7 +261,8 @@ def test_the_entry_check_refuses_bad_folders_before_anything_is_built(
     (empty / "captions" / "fox.txt").write_text("a caption without its media")
 
     def check(pipeline: Path, folder: Path) -> None:
-        overrides = [f"model.pretrained={pipeline}", f"data.folder={folder}"]
+        overrides = [f"finetune.pipeline={pipeline}", f"finetune.data.folder={folder}",
+                     "global_batch_size=2"]  # fmt: skip
         recipe = load_recipe(RECIPES / "finetune_video.yaml", overrides)
         check_inputs(recipe.config, recipe.launch.entry, recipe.base_dir)
 
@@ -273,9 +279,9 @@ def test_video_recipe_samples_under_sequence_parallel(tmp_path: Path, media: Pat
     """Two ranks split each clip's tokens (sp_size 2): training and sampling run on both."""
     pipeline = tiny_pipeline_folder("wan")
     results = tmp_path / "results"
-    overrides = [*SHORT, f"model.pretrained={pipeline}", f"data.folder={media}",
-                 f"data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
-                 "data.max_frames=9", "trainer.validation.frames=9", "optimization.parallel.sp_size=2",
+    overrides = [*SHORT, f"finetune.pipeline={pipeline}", f"finetune.data.folder={media}",
+                 f"finetune.data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
+                 "finetune.data.max_frames=9", "trainer.validation.frames=9", "optimization.parallel.sp_size=2",
                  "global_batch_size=1", "trainer.sample_every=2"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)
     assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[0])))

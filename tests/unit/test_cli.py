@@ -447,6 +447,37 @@ def test_help_and_inspect_config_do_not_import_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_inspect_config_checks_a_finetune_recipe_without_importing_torch(tmp_path):
+    """The finetune section, the pipeline folder's family and the media scan (bucket
+    feasibility included) are checked in the CLI process, torch-free."""
+    pytest.importorskip("av")
+    from tests.media import make_media_folder
+    from tests.pipelines import tiny_pipeline_folder
+
+    media = make_media_folder(tmp_path / "media", images=2, videos=2)
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "finetune_video.yaml"
+    common = [str(recipe), "launch.nproc_per_node=1", "finetune.data.max_frames=9",
+              f"finetune.pipeline={tiny_pipeline_folder('wan')}", f"finetune.data.folder={media}"]  # fmt: skip
+    snippet = textwrap.dedent(
+        f"""
+        import sys
+        from typer.testing import CliRunner
+        from litegen_cli.app import app
+
+        runner = CliRunner()
+        result = runner.invoke(app, ["inspect-config", *{common!r}, "global_batch_size=2"])
+        assert result.exit_code == 0, result.output
+        result = runner.invoke(app, ["inspect-config", *{common!r}, "global_batch_size=4"],
+                               env={{"COLUMNS": "300"}})
+        assert result.exit_code == 2 and "no bucket" in result.output, result.output
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not loaded, loaded[:5]
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_plan_numbers(tmp_path):
     plan = derive_plan(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
     assert (plan.world_size, plan.dp_size, plan.micro_batch) == (4, 4, 1)
@@ -513,3 +544,19 @@ def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
     result = invoke("inspect-config", write_recipe(tmp_path), *lora)
     assert result.exit_code == 0, result.output
     assert "frozen Linear weights in fp8" in " ".join(result.output.split())
+
+
+def test_torchruns_banner_and_agent_logs_are_silenced(caplog):
+    """torchrun's launcher warns about OMP_NUM_THREADS in a banner on every launch of 2+ ranks
+    (then sets it to 1 itself); the CLI keeps the launcher's and the agent's loggers quiet."""
+    import logging
+
+    import torch.distributed.run
+
+    launcher._quiet_torchrun()
+    for name in ("torch.distributed.run", "torch.distributed.elastic.agent.server.api"):
+        logger = logging.getLogger(name)
+        with caplog.at_level(logging.WARNING):
+            logger.warning("banner")
+        assert logger.level == logging.CRITICAL, name
+    assert torch.distributed.run.__name__ not in [r.name for r in caplog.records]

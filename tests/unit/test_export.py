@@ -55,7 +55,7 @@ def test_export_refuses_a_run_without_a_pipeline_folder_and_a_missing_checkpoint
     step_folder(tmp_path, {"exp_name": "digits"}, {"model": {"w": torch.zeros(2)}})
     result = CliRunner().invoke(app, ["export", "--from", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 2
-    assert "has no model.pretrained" in result.output.replace("\n", "")
+    assert "has no finetune.pipeline" in result.output.replace("\n", "")
     nowhere = ["export", "--from", str(tmp_path / "nowhere")]
     missing = CliRunner().invoke(app, nowhere, env={"COLUMNS": "250"})
     assert missing.exit_code == 2 and "does not exist" in missing.output

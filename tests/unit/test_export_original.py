@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 
 from litegen.config.sections import LoRAConfig
 from litegen.export import write_export
-from litegen.families.original_format import KEY_MAPS, WAN_KEY_MAP, KeyMap, lora_to_original
+from litegen.families import KeyMap
+from litegen.families.original_format import lora_to_original
+from litegen.families.wan import ORIGINAL_KEYS as WAN_KEY_MAP
+from litegen.families.wan import Wan
 from litegen.lora import adapter_alpha_state, apply_lora
 from litegen.pretrained import load_component
 from litegen_cli.app import app
@@ -54,7 +57,7 @@ def test_adapters_the_original_lacks_leave_the_diffusers_files_and_a_warning(
     tmp_path, caplog, monkeypatch
 ):
     only_q = KeyMap(modules={"blocks.{i}.self_attn.q": ("blocks.{i}.attn1.to_q",)})
-    monkeypatch.setitem(KEY_MAPS, "WanTransformer3DModel", only_q)
+    monkeypatch.setattr(Wan, "original_keys", only_q)
     transformer = load_component(tiny_pipeline_folder("wan"), "transformer")
     apply_lora(transformer, LoRAConfig(rank=2, target_modules=["to_q", "to_k"]))
     out = write_export(transformer, transformer.state_dict(), tiny_pipeline_folder("wan"),

@@ -19,7 +19,8 @@ EXPERIMENTAL_DOOR = "runtime/litegen.py"
 # Top to bottom; a module belongs to the layer of the longest prefix naming it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
-    ("litegen.trainer", "litegen.entry", "litegen.export"),  # the loop around the user's step
+    # The loop around the user's step, and the fine-tuning road that is an entry of it.
+    ("litegen.trainer", "litegen.entry", "litegen.export", "litegen.finetune"),
     (  # the trainer's instruments, under the loop though some live in its folder
         "litegen.trainer.metrics",
         "litegen.loggers",
@@ -33,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "litegen.parallel",
         "litegen.compile",
+        "litegen.families",  # what each model family is: the sequence plans read them
     ),  # strategies and compiled blocks, which prepare composes
     (  # the pieces they are made of
         "litegen.memory",
@@ -56,7 +58,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.module_paths",
         "litegen.gelu_mlps",
         "litegen.flop_counter",
-        "litegen.families.original_format",  # the original checkpoints' key maps; torch only
+        "litegen.families.original_format",  # converters to the original checkpoints' names
+        "litegen.families.key_map",  # how a family's original checkpoint names its modules
     ),
     ("litegen.config", "litegen.utils"),  # the config and the strategy table; no torch
 )

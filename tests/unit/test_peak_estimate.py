@@ -206,7 +206,7 @@ def test_an_entry_that_cannot_build_on_meta_exits_2_with_one_message(tmp_path):
 
 
 def test_the_finetune_recipe_estimates_from_its_pipelines_config(tmp_path):
-    """recipes/finetune.py on meta: the transformer from its config.json, the cached samples."""
+    """litegen.finetune on meta: the transformer from its config.json, the cached samples."""
     pytest.importorskip("av")
     from tests.media import make_media_folder
     from tests.pipelines import tiny_pipeline_folder
@@ -215,17 +215,20 @@ def test_the_finetune_recipe_estimates_from_its_pipelines_config(tmp_path):
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "finetune_video.yaml"
     args = [
         recipe,
-        f"model.pretrained={tiny_pipeline_folder('wan')}",
-        f"data.folder={media}",
-        f"data.cache_root={tmp_path / 'cache'}",
+        f"finetune.pipeline={tiny_pipeline_folder('wan')}",
+        f"finetune.data.folder={media}",
+        f"finetune.data.cache_root={tmp_path / 'cache'}",
         f"results_dir={tmp_path / 'results'}",
         "runtime.device=cpu",
         "launch.nproc_per_node=1",
         "global_batch_size=1",
-        "data.resolution=32",
+        "finetune.data.resolution=32",
     ]
     before = invoke("inspect-config", *args, "--estimate")
     assert before.exit_code == 2 and "litegen cache build" in before.output
+    # A data problem, not the entry's: no advice on meta devices, and no cache folder made.
+    assert "meta device when runtime.device" not in before.output.replace("\n", " ")
+    assert not (tmp_path / "cache").exists()
     assert invoke("cache", "build", *args).exit_code == 0
     result = invoke("inspect-config", *args, "--estimate")
     assert result.exit_code == 0, result.output

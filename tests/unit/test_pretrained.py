@@ -29,7 +29,7 @@ def test_the_folder_names_its_components(wan: Path) -> None:
 
 
 def test_bad_folders_name_the_path_and_the_fix(wan: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"does not exist: point model\.pretrained"):
+    with pytest.raises(ValueError, match=r"does not exist: point finetune\.pipeline"):
         check_pipeline_folder(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"has no model_index\.json"):
         check_pipeline_folder(tmp_path)

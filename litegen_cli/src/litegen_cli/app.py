@@ -286,7 +286,7 @@ def export(
         typer.Option(
             "--pipeline",
             help="The pipeline folder the run fine-tuned, if it moved. Default: the run's "
-            "model.pretrained.",
+            "finetune.pipeline.",
             show_default=False,
         ),
     ] = None,

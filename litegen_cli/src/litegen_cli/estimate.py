@@ -68,6 +68,8 @@ def estimate_recipe(recipe: Recipe) -> Any:
         return _estimate(recipe)
     except EstimateError:
         raise
+    except ValueError as err:  # bad input (a folder, the data, the cache): the user's to fix
+        raise EstimateError(f"cannot estimate the peak: {err}") from None
     except Exception as err:  # the user's entry on meta: any failure becomes one message
         raise EstimateError(
             f"cannot estimate the peak of {recipe.launch.entry}: {type(err).__name__}: "

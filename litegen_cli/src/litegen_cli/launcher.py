@@ -124,9 +124,11 @@ def _summarize(err: Exception) -> LaunchFailed:
 
 
 def _quiet_torchrun() -> None:
-    """torchrun's agent logs every failure and every rank it stops; the CLI says it once."""
+    """torchrun's agent logs every failure and every rank it stops, and its launcher a banner
+    on OMP_NUM_THREADS (which it then sets to 1); the CLI says what matters once."""
+    quiet = ("torch.distributed.elastic", "torch.distributed.run")
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+        if name.startswith(quiet) and isinstance(logger, logging.Logger):
             logger.setLevel(logging.CRITICAL)
 
 

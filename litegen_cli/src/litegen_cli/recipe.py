@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from litegen.config import MainConfig, YamlLoader
 from litegen.config.checks import IgnoredOptionWarning, ignored_options
+from litegen.config.finetune import DeprecatedFieldWarning
 from litegen.config.strategies import global_batch_problems, job_shape_problems
 from litegen_cli.entry_check import entry_problems
 from litegen_cli.slurm import apply_slurm_env
@@ -306,10 +307,13 @@ def recipe_from_data(
         problems += entry_problems(spec.entry, Path(spec.recipe_dir or path.parent))
 
     config: MainConfig | None = None
+    deprecated: list[str] = []
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("ignore", IgnoredOptionWarning)  # returned as Recipe.warnings
+            warnings.simplefilter("always", DeprecatedFieldWarning)  # so are these
             config = MainConfig.from_dict({k: v for k, v in data.items() if k != "launch"})
+        deprecated = [str(w.message) for w in caught if w.category is DeprecatedFieldWarning]
     except ValueError as exc:
         problems.extend(_config_problems(exc))
 
@@ -319,6 +323,5 @@ def recipe_from_data(
         raise RecipeError(problems)
     # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.
     config = config.with_absolute_paths()
-    return Recipe(
-        path=path, launch=spec, config=config, data=data, warnings=ignored_options(config)
-    )
+    notes = [*deprecated, *ignored_options(config)]
+    return Recipe(path=path, launch=spec, config=config, data=data, warnings=notes)

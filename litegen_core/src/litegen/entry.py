@@ -3,7 +3,7 @@
 module = load_entry("recipes/digits_dit.py")          # a file
 module = load_entry("recipes.digits_dit", base_dir)   # or an importable module name
 names = parts_to_prepare(module.build(config), "recipes/digits_dit.py")
-check_inputs(config, "recipes/finetune.py")           # its check_inputs(config) hook, if any
+check_inputs(config, "litegen.finetune")              # its check_inputs(config) hook, if any
 
 What ``build(config)`` returns is a dict of named objects. Models (``nn.Module``), optimizers,
 ``DataLoader`` objects and datasets are prepared; a dataset is a ``torch.utils.data.Dataset`` (map
@@ -22,13 +22,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
-from litegen.runtime.prepare import preparable_kind
-
 REQUIRED = ("build", "train_step")
-# Containers and arrays that are data for the hooks (a held-out tuple), never a training set.
-_PLAIN = (list, tuple, dict, str, bytes, set, frozenset, torch.Tensor)
+# Containers that are data for the hooks (a held-out tuple), never a training set; tensors
+# too (:func:`_plain`). torch is imported on first use: loading an entry and calling its
+# check_inputs hook (the CLI, before any rank starts) needs none.
+_CONTAINERS = (list, tuple, dict, str, bytes, set, frozenset)
+
+
+def _plain() -> tuple[type, ...]:
+    import torch
+
+    return (*_CONTAINERS, torch.Tensor)
 
 
 def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
@@ -79,11 +83,14 @@ def built_kind(obj: Any) -> str | None:
     reaches ``train_step`` and the hooks unchanged (containers, tensors and arrays are data
     for the hooks, never a training set).
 
+    >>> import torch
     >>> from torch import nn
     >>> built_kind(nn.Linear(2, 2)), built_kind((torch.zeros(2), torch.zeros(2)))
     ('model', None)
     """
-    if isinstance(obj, _PLAIN) or type(obj).__module__ == "numpy":
+    from litegen.runtime.prepare import preparable_kind
+
+    if isinstance(obj, _plain()) or type(obj).__module__ == "numpy":
         return None
     return preparable_kind(obj)
 
@@ -92,6 +99,7 @@ def parts_to_prepare(built: Any, entry: str) -> list[str]:
     """The names of the ``build(config)`` values to prepare; ``ValueError`` naming the fix when
     it is not a dict with exactly one dataset (or DataLoader) and at least one optimizer.
 
+    >>> import torch
     >>> from torch import nn
     >>> from torch.utils.data import TensorDataset
     >>> m = nn.Linear(4, 1)
@@ -111,7 +119,7 @@ def parts_to_prepare(built: Any, entry: str) -> list[str]:
         passed = [
             f"'{name}' ({type(built[name]).__name__})"
             for name, kind in kinds.items()
-            if kind is None and isinstance(built[name], _PLAIN)
+            if kind is None and isinstance(built[name], _plain())
         ]
         found = f"{len(datasets)} ({', '.join(repr(n) for n in datasets)})" if datasets else "none"
         raise ValueError(

@@ -1,6 +1,6 @@
 """Exports of a fine-tuned diffusers pipeline, from a run in memory or from a run checkpoint.
 
-A run that trains the transformer of a pipeline folder (``model.pretrained``) exports either
+A run that trains the transformer of a pipeline folder (``finetune.pipeline``) exports either
 
 * the whole pipeline folder with the trained transformer (full fine-tuning), which
   ``DiffusionPipeline.from_pretrained`` loads. Its frozen components (text encoders, VAE,
@@ -37,14 +37,8 @@ from torch import nn
 from litegen.checkpoint.files import check_model_state, replace_dir, save_state
 from litegen.checkpoint.interop import write_diffusers_folder
 from litegen.checkpoint.step_dirs import read_config_text, read_metadata, resolve_checkpoint
-from litegen.families.original_format import (
-    KEY_MAPS,
-    KeyMap,
-    key_map_for,
-    lora_to_original,
-    output_rows,
-    weights_to_original,
-)
+from litegen.families import KeyMap, key_map_for, original_format_classes
+from litegen.families.original_format import lora_to_original, output_rows, weights_to_original
 from litegen.lora import adapter_alpha_state, adapter_file_state, has_adapters, save_peft_folder
 from litegen.module_paths import clean_name
 from litegen.pretrained import check_pipeline_folder, load_component
@@ -137,7 +131,7 @@ def write_original_lora(
         log.info(
             "No original-format LoRA for %s: LiteGen knows the original layout of %s only.",
             type(transformer).__name__,
-            ", ".join(sorted(KEY_MAPS)),
+            ", ".join(original_format_classes()),
         )
         return None
     rows = {clean_name(k): v for k, v in output_rows(transformer).items()}
@@ -169,7 +163,7 @@ def _original_key_map(transformer: nn.Module) -> KeyMap:
     if key_map is None:
         raise ValueError(
             f"LiteGen knows no original checkpoint layout for {type(transformer).__name__} "
-            f"(it knows {', '.join(sorted(KEY_MAPS))}); export without --original."
+            f"(it knows {', '.join(original_format_classes())}); export without --original."
         )
     return key_map
 
@@ -234,7 +228,8 @@ def export_checkpoint(
     ``checkpoint``: a ``step_<N>`` folder, or the checkpoint_dir holding them (its latest).
     ``out``: by default ``<checkpoint_dir>/exports/step_<N>``; an existing one is refused.
     ``ema``: the EMA weights (default: the run's ``trainer.export_ema`` when it kept an EMA).
-    ``pipeline``: the pipeline folder the run fine-tuned (default: its ``model.pretrained``).
+    ``pipeline``: the pipeline folder the run fine-tuned (default: its ``finetune.pipeline``, or
+    ``model.pretrained`` for runs of earlier versions).
     ``original``: a full fine-tune also writes its transformer in the original layout.
     Raises ``ValueError`` or ``FileNotFoundError`` naming the path and the fix.
 
@@ -244,11 +239,15 @@ def export_checkpoint(
     """
     step_dir = resolve_checkpoint(checkpoint)
     config = read_config_text(step_dir)
-    folder = pipeline or (config.get("model") or {}).get("pretrained")
+    folder = (
+        pipeline
+        or (config.get("finetune") or {}).get("pipeline")
+        or (config.get("model") or {}).get("pretrained")  # runs of earlier versions
+    )
     if not folder:
         raise ValueError(
             f"run checkpoint {step_dir} fine-tunes no pipeline folder (its config has no "
-            "model.pretrained); litegen export writes the runs of recipes/finetune_*.yaml."
+            "finetune.pipeline); litegen export writes the runs of the fine-tuning recipes."
         )
     try:
         check_pipeline_folder(folder)

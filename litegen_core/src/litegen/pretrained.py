@@ -36,7 +36,7 @@ def check_pipeline_folder(folder: str | Path) -> dict[str, tuple[str, str]]:
     if not index.is_file():
         what = "does not exist" if not folder.exists() else f"has no {MODEL_INDEX}"
         raise ValueError(
-            f"pipeline folder {folder} {what}: point model.pretrained at a diffusers pipeline "
+            f"pipeline folder {folder} {what}: point finetune.pipeline at a diffusers pipeline "
             "folder (the one save_pretrained writes, with model_index.json and a subfolder per "
             "component)."
         )

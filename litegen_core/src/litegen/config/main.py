@@ -30,6 +30,7 @@ from litegen.config.checks import (
     ignored_options,
     typo_problems,
 )
+from litegen.config.finetune import FinetuneConfig, move_deprecated_fields
 from litegen.config.optimization import OptimizationConfig, value_at
 from litegen.config.sections import PRECISION_PRESETS, RuntimeConfig
 from litegen.config.training import EMAConfig, TrainerConfig
@@ -79,6 +80,7 @@ class MainConfig(Config):
 
     ema: EMAConfig = Field(default_factory=EMAConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    finetune: FinetuneConfig | None = None  # the fine-tuning road's (litegen.finetune)
 
     # training settings
     global_seed: int = Field(0, ge=0)
@@ -86,6 +88,11 @@ class MainConfig(Config):
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     global_batch_size: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_finetune_fields(cls, data: Any) -> Any:
+        return move_deprecated_fields(data)
 
     @model_validator(mode="before")
     @classmethod
@@ -217,7 +224,8 @@ class MainConfig(Config):
         current folder), so the run reads and writes the same files from any folder.
 
         ``results_dir`` is filled in (``results/<exp_name>`` when unset); the other path
-        fields only when set.
+        fields only when set, the ``finetune`` section's (pipeline, media folder, cache root)
+        included.
 
         >>> MainConfig(results_dir="out").with_absolute_paths("/runs").results_dir
         '/runs/out'
@@ -227,8 +235,17 @@ class MainConfig(Config):
         def absolute(path: str | None) -> str | None:
             return None if path is None else str(base / Path(path).expanduser())
 
+        finetune = self.finetune
+        if finetune is not None:
+            data = finetune.data.model_copy(
+                update={"folder": absolute(finetune.data.folder),
+                        "cache_root": absolute(finetune.data.cache_root)}
+            )  # fmt: skip
+            pipeline = absolute(finetune.pipeline)
+            finetune = finetune.model_copy(update={"pipeline": pipeline, "data": data})
         return self.model_copy(
             update={
+                "finetune": finetune,
                 "results_dir": absolute(self.get_results_dir()),
                 "checkpoint_dir": absolute(self.checkpoint_dir),
                 "init_from": absolute(self.init_from),

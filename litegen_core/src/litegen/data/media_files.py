@@ -144,7 +144,12 @@ def _captions(
     for path in media:
         text_file = path.with_suffix(".txt")
         if text_file.is_file():
-            text = text_file.read_text(encoding="utf-8", errors="replace").strip()
+            try:
+                text = text_file.read_bytes().decode("utf-8").strip()
+            except UnicodeDecodeError as error:  # would train on replacement characters
+                bad.append(BadFile(text_file, f"caption is not valid UTF-8 ({error.reason} at "
+                                              f"byte {error.start}): save it as UTF-8"))  # fmt: skip
+                continue
             if text:
                 captions[path] = text
     return captions, bad
@@ -172,7 +177,13 @@ def _metadata_captions(metadata: Path, media: set[Path]) -> tuple[dict[Path, str
 
 
 def _read_rows(metadata: Path) -> list[dict]:
-    text = metadata.read_text(encoding="utf-8")
+    try:
+        text = metadata.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{metadata} is not valid UTF-8 ({error.reason} at byte {error.start}); save it "
+            "as UTF-8."
+        ) from None
     if metadata.suffix == ".csv":
         return list(csv.DictReader(text.splitlines()))
     rows = []

@@ -2,7 +2,8 @@
 converters they drive: LoRA files that ComfyUI and diffusers' own converters read, and full
 transformer weights as one original-format safetensors file.
 
-A family states its map once, as one :class:`KeyMap` constant. Each entry names a module of the
+A family states its map once, as one :class:`~litegen.families.key_map.KeyMap` (its
+``original_keys``). Each entry names a module of the
 original checkpoint and the diffusers modules whose output rows it stacks, in the original's
 row order: one for a plain rename, several where the original fuses projections into one
 Linear (Flux's ``double_blocks.{i}.img_attn.qkv`` is ``to_q``, ``to_k``, ``to_v`` stacked).
@@ -18,7 +19,8 @@ the rank, the up matrices form a block-diagonal matrix (zero rows for a part wit
 adapter) and alpha is set so that ``alpha / rank`` stays the trained scale. The inverse splits
 such a block-diagonal adapter back into the parts' own adapters.
 
-    from litegen.families.original_format import key_map_for, lora_to_original, output_rows
+    from litegen.families import key_map_for
+    from litegen.families.original_format import lora_to_original, output_rows
 
     original = lora_to_original(adapters, key_map_for("FluxTransformer2DModel"),
                                 rows=output_rows(transformer))
@@ -26,105 +28,13 @@ such a block-diagonal adapter back into the parts' own adapters.
 
 from __future__ import annotations
 
-import functools
-import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-_PART = re.compile(r"^(?P<module>[\w.{}]+?)(?:\[(?P<chunk>\d+)/(?P<of>\d+)\])?$")
-
-
-@dataclass(frozen=True)
-class KeyMap:
-    """How one family's original checkpoint names the modules of its diffusers transformer.
-
-    ``modules``: original module -> the diffusers modules (``part`` strings, see the module
-    docstring) whose output rows it stacks, in order. Their ``.weight`` and ``.bias`` tensors
-    and their LoRA adapters follow the module.
-    ``tensors``: original tensor -> diffusers tensor, for tensors of no mapped module
-    (modulation tables, norms whose leaf is named differently).
-    ``lora_names``: the (down, up) names of LoRA files in the original layout.
-    ``prefix``: the key prefix of LoRA files (ComfyUI's ``diffusion_model.``).
-    ``scale_in_up``: originals whose LoRA is written without ``alpha``, its scale multiplied
-    into the up matrix, where a reader refuses an alpha (ComfyUI reads a missing alpha as
-    scale 1, so it reads both forms alike).
-
-    Example::
-
-        KeyMap(modules={"blocks.{i}.self_attn.q": ("blocks.{i}.attn1.to_q",)})
-    """
-
-    modules: Mapping[str, tuple[str, ...]]
-    tensors: Mapping[str, str] = field(default_factory=dict)
-    lora_names: tuple[str, str] = ("lora_A", "lora_B")
-    prefix: str = "diffusion_model."
-    scale_in_up: tuple[str, ...] = ()
-
-    def find_original(self, module: str) -> tuple[str, tuple[Part, ...]] | None:
-        """The original module holding the diffusers ``module`` and all its parts, or None.
-
-        Example:
-            >>> WAN_KEY_MAP.find_original("blocks.3.attn1.to_q")
-            ('blocks.3.self_attn.q', (Part(module='blocks.3.attn1.to_q', chunk=0, of=1),))
-        """
-        for original, parts in self.modules.items():
-            for part in parts:
-                match = _compiled(_parse(part).module).fullmatch(module)
-                if match:
-                    return _fill(original, match), tuple(_parse(_fill(p, match)) for p in parts)
-        return None
-
-    def find_diffusers(self, original: str) -> tuple[Part, ...] | None:
-        """The diffusers parts of the ``original`` module, or None when no entry names it.
-
-        Example:
-            >>> [part.module for part in FLUX_KEY_MAP.find_diffusers("double_blocks.2.txt_attn.qkv")]
-            ['transformer_blocks.2.attn.add_q_proj', 'transformer_blocks.2.attn.add_k_proj', 'transformer_blocks.2.attn.add_v_proj']
-        """
-        for pattern, parts in self.modules.items():
-            match = _compiled(pattern).fullmatch(original)
-            if match:
-                return tuple(_parse(_fill(p, match)) for p in parts)
-        return None
-
-
-class Part(NamedTuple):
-    """Rows ``chunk`` of ``of`` equal chunks of the diffusers ``module``'s output."""
-
-    module: str
-    chunk: int = 0
-    of: int = 1
-
-
-def _parse(part: str) -> Part:
-    match = _PART.fullmatch(part)
-    if match is None:
-        raise ValueError(f"bad key-map part {part!r}: write 'module' or 'module[k/n]'.")
-    if match["chunk"] is None:
-        return Part(match["module"])
-    return Part(match["module"], int(match["chunk"]), int(match["of"]))
-
-
-@functools.cache
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)"))
-
-
-def _fill(pattern: str, match: re.Match[str]) -> str:
-    return pattern.replace("{i}", match["i"]) if "{i}" in pattern else pattern
-
-
-def _lookup(name: str, pairs: Iterable[tuple[str, str]]) -> str | None:
-    """The ``result`` of the first ``(pattern, result)`` whose pattern names ``name``."""
-    for pattern, result in pairs:
-        match = _compiled(pattern).fullmatch(name)
-        if match:
-            return _fill(result, match)
-    return None
+from litegen.families.key_map import KeyMap, Part, compiled, lookup
 
 
 def output_rows(model: nn.Module) -> dict[str, int]:
@@ -250,7 +160,7 @@ def lora_to_original(
 
         original = lora_to_original(
             {"blocks.0.attn1.to_q.lora_A.weight": a, "blocks.0.attn1.to_q.lora_B.weight": b},
-            WAN_KEY_MAP)   # {"diffusion_model.blocks.0.self_attn.q.lora_A.weight": a, ...}
+            Wan.original_keys)   # {"diffusion_model.blocks.0.self_attn.q.lora_A.weight": a, ...}
     """
     grouped: dict[str, tuple[tuple[Part, ...], dict[str, _Adapter]]] = {}
     for module, adapter in _adapters(lora, ("lora_A", "lora_B")).items():
@@ -266,7 +176,7 @@ def lora_to_original(
     for original, (parts, adapters) in grouped.items():
         fused = _fuse(original, parts, adapters, rows)
         keys = _lora_keys(original, fused, key_map.lora_names)
-        if any(_compiled(p).fullmatch(original) for p in key_map.scale_in_up):
+        if any(compiled(p).fullmatch(original) for p in key_map.scale_in_up):
             del keys[f"{original}.alpha"]
             up = f"{original}.{key_map.lora_names[1]}.weight"
             keys[up] = keys[up] * fused.scale
@@ -325,7 +235,7 @@ def lora_from_original(
     Example::
 
         adapters = lora_from_original(load_file("run.original.lora.safetensors"),
-                                      FLUX_KEY_MAP, rows=output_rows(transformer))
+                                      Flux.original_keys, rows=output_rows(transformer))
     """
     unprefixed = {}
     for key, value in state.items():
@@ -381,13 +291,13 @@ def weights_to_original(
 
     Example::
 
-        save_file(weights_to_original(transformer.state_dict(), WAN_KEY_MAP), "wan.safetensors")
+        save_file(weights_to_original(transformer.state_dict(), Wan.original_keys), "wan.safetensors")
     """
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, tuple[tuple[Part, ...], str]] = {}
     unplaced = []
     for name, tensor in state.items():
-        renamed = _lookup(name, ((d, o) for o, d in key_map.tensors.items()))
+        renamed = lookup(name, ((d, o) for o, d in key_map.tensors.items()))
         if renamed is not None:
             out[renamed] = tensor
             continue
@@ -417,12 +327,12 @@ def weights_from_original(
 
     Example::
 
-        transformer.load_state_dict(weights_from_original(load_file(path), FLUX_KEY_MAP,
+        transformer.load_state_dict(weights_from_original(load_file(path), Flux.original_keys,
                                                           rows=output_rows(transformer)))
     """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        matched = _lookup(name, key_map.tensors.items())
+        matched = lookup(name, key_map.tensors.items())
         if matched is not None:
             out[matched] = tensor
             continue
@@ -433,133 +343,3 @@ def weights_from_original(
         pieces = _unstack(tensor, parts, rows, f"original tensor {name}")
         out.update({f"{module}.{leaf}": piece for module, piece in pieces.items()})
     return out
-
-
-# -- families --------------------------------------------------------------------------------
-# Wan 2.1 / 2.2 (WanTransformer3DModel) as Wan-AI's checkpoints name it; q, k and v stay
-# separate there. The image-to-video models add k_img/v_img/norm_k_img and the image embedder.
-# diffusers' converter takes alpha inside the blocks only and refuses it elsewhere.
-WAN_KEY_MAP = KeyMap(
-    modules={
-        "patch_embedding": ("patch_embedding",),
-        "time_embedding.0": ("condition_embedder.time_embedder.linear_1",),
-        "time_embedding.2": ("condition_embedder.time_embedder.linear_2",),
-        "time_projection.1": ("condition_embedder.time_proj",),
-        "text_embedding.0": ("condition_embedder.text_embedder.linear_1",),
-        "text_embedding.2": ("condition_embedder.text_embedder.linear_2",),
-        "img_emb.proj.0": ("condition_embedder.image_embedder.norm1",),
-        "img_emb.proj.1": ("condition_embedder.image_embedder.ff.net.0.proj",),
-        "img_emb.proj.3": ("condition_embedder.image_embedder.ff.net.2",),
-        "img_emb.proj.4": ("condition_embedder.image_embedder.norm2",),
-        "blocks.{i}.self_attn.q": ("blocks.{i}.attn1.to_q",),
-        "blocks.{i}.self_attn.k": ("blocks.{i}.attn1.to_k",),
-        "blocks.{i}.self_attn.v": ("blocks.{i}.attn1.to_v",),
-        "blocks.{i}.self_attn.o": ("blocks.{i}.attn1.to_out.0",),
-        "blocks.{i}.self_attn.norm_q": ("blocks.{i}.attn1.norm_q",),
-        "blocks.{i}.self_attn.norm_k": ("blocks.{i}.attn1.norm_k",),
-        "blocks.{i}.cross_attn.q": ("blocks.{i}.attn2.to_q",),
-        "blocks.{i}.cross_attn.k": ("blocks.{i}.attn2.to_k",),
-        "blocks.{i}.cross_attn.v": ("blocks.{i}.attn2.to_v",),
-        "blocks.{i}.cross_attn.o": ("blocks.{i}.attn2.to_out.0",),
-        "blocks.{i}.cross_attn.norm_q": ("blocks.{i}.attn2.norm_q",),
-        "blocks.{i}.cross_attn.norm_k": ("blocks.{i}.attn2.norm_k",),
-        "blocks.{i}.cross_attn.k_img": ("blocks.{i}.attn2.add_k_proj",),
-        "blocks.{i}.cross_attn.v_img": ("blocks.{i}.attn2.add_v_proj",),
-        "blocks.{i}.cross_attn.norm_k_img": ("blocks.{i}.attn2.norm_added_k",),
-        "blocks.{i}.norm3": ("blocks.{i}.norm2",),  # the cross-attention norm
-        "blocks.{i}.ffn.0": ("blocks.{i}.ffn.net.0.proj",),
-        "blocks.{i}.ffn.2": ("blocks.{i}.ffn.net.2",),
-        "head.head": ("proj_out",),
-    },
-    tensors={
-        "head.modulation": "scale_shift_table",
-        "blocks.{i}.modulation": "blocks.{i}.scale_shift_table",
-        "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # first-last frame
-    },
-    scale_in_up=(
-        "patch_embedding",
-        "time_embedding.0",
-        "time_embedding.2",
-        "time_projection.1",
-        "text_embedding.0",
-        "text_embedding.2",
-        "img_emb.proj.1",
-        "img_emb.proj.3",
-        "head.head",
-    ),
-)
-
-# Flux.1 (FluxTransformer2DModel) as Black Forest Labs' checkpoints name it. diffusers reads
-# LoRAs under this prefix only with lora_down/lora_up names (its sd-scripts converter);
-# ComfyUI reads those names too.
-FLUX_KEY_MAP = KeyMap(
-    modules={
-        "img_in": ("x_embedder",),
-        "txt_in": ("context_embedder",),
-        "time_in.in_layer": ("time_text_embed.timestep_embedder.linear_1",),
-        "time_in.out_layer": ("time_text_embed.timestep_embedder.linear_2",),
-        "guidance_in.in_layer": ("time_text_embed.guidance_embedder.linear_1",),
-        "guidance_in.out_layer": ("time_text_embed.guidance_embedder.linear_2",),
-        "vector_in.in_layer": ("time_text_embed.text_embedder.linear_1",),
-        "vector_in.out_layer": ("time_text_embed.text_embedder.linear_2",),
-        "double_blocks.{i}.img_mod.lin": ("transformer_blocks.{i}.norm1.linear",),
-        "double_blocks.{i}.txt_mod.lin": ("transformer_blocks.{i}.norm1_context.linear",),
-        "double_blocks.{i}.img_attn.qkv": (
-            "transformer_blocks.{i}.attn.to_q",
-            "transformer_blocks.{i}.attn.to_k",
-            "transformer_blocks.{i}.attn.to_v",
-        ),
-        "double_blocks.{i}.txt_attn.qkv": (
-            "transformer_blocks.{i}.attn.add_q_proj",
-            "transformer_blocks.{i}.attn.add_k_proj",
-            "transformer_blocks.{i}.attn.add_v_proj",
-        ),
-        "double_blocks.{i}.img_attn.proj": ("transformer_blocks.{i}.attn.to_out.0",),
-        "double_blocks.{i}.txt_attn.proj": ("transformer_blocks.{i}.attn.to_add_out",),
-        "double_blocks.{i}.img_mlp.0": ("transformer_blocks.{i}.ff.net.0.proj",),
-        "double_blocks.{i}.img_mlp.2": ("transformer_blocks.{i}.ff.net.2",),
-        "double_blocks.{i}.txt_mlp.0": ("transformer_blocks.{i}.ff_context.net.0.proj",),
-        "double_blocks.{i}.txt_mlp.2": ("transformer_blocks.{i}.ff_context.net.2",),
-        "single_blocks.{i}.modulation.lin": ("single_transformer_blocks.{i}.norm.linear",),
-        "single_blocks.{i}.linear1": (
-            "single_transformer_blocks.{i}.attn.to_q",
-            "single_transformer_blocks.{i}.attn.to_k",
-            "single_transformer_blocks.{i}.attn.to_v",
-            "single_transformer_blocks.{i}.proj_mlp",
-        ),
-        "single_blocks.{i}.linear2": ("single_transformer_blocks.{i}.proj_out",),
-        "final_layer.linear": ("proj_out",),
-        # BFL's final modulation is (shift, scale); diffusers' norm_out.linear (scale, shift).
-        "final_layer.adaLN_modulation.1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),
-    },
-    tensors={
-        "double_blocks.{i}.img_attn.norm.query_norm.scale": "transformer_blocks.{i}.attn.norm_q.weight",
-        "double_blocks.{i}.img_attn.norm.key_norm.scale": "transformer_blocks.{i}.attn.norm_k.weight",
-        "double_blocks.{i}.txt_attn.norm.query_norm.scale": (
-            "transformer_blocks.{i}.attn.norm_added_q.weight"
-        ),
-        "double_blocks.{i}.txt_attn.norm.key_norm.scale": (
-            "transformer_blocks.{i}.attn.norm_added_k.weight"
-        ),
-        "single_blocks.{i}.norm.query_norm.scale": "single_transformer_blocks.{i}.attn.norm_q.weight",
-        "single_blocks.{i}.norm.key_norm.scale": "single_transformer_blocks.{i}.attn.norm_k.weight",
-    },
-    lora_names=("lora_down", "lora_up"),
-)
-
-KEY_MAPS: dict[str, KeyMap] = {
-    "WanTransformer3DModel": WAN_KEY_MAP,
-    "FluxTransformer2DModel": FLUX_KEY_MAP,
-}
-
-
-def key_map_for(transformer: str | nn.Module) -> KeyMap | None:
-    """The key map of a transformer class (its name, or a model), or None when its original
-    format is not known.
-
-    Example:
-        >>> key_map_for("FluxTransformer2DModel").lora_names
-        ('lora_down', 'lora_up')
-    """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    return KEY_MAPS.get(name)

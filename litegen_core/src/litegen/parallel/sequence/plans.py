@@ -11,9 +11,13 @@ every attention's keys and values, cross-attention's included. LiteGen keeps the
 so cross-attention needs no communication; the shared entries are checked against diffusers'
 in the tests.
 
+The plans of the classes a model family trains live in that family's module
+(:meth:`litegen.families.base.Family.sequence_plan`); :func:`builtin_plan` looks there first,
+then in :data:`BUILTIN`.
+
 Example:
-    >>> BUILTIN["WanTransformer3DModel"](wan).attention
-    {'blocks.*.attn1': 'self'}
+    >>> "WanTransformer3DModel" in builtin_names(), "LTXVideoTransformer3DModel" in BUILTIN
+    (True, True)
 """
 
 from __future__ import annotations
@@ -26,16 +30,6 @@ from litegen.parallel.sequence.plan import PLAN_ATTRIBUTE, SequencePlan, Split
 
 # A timestep of shape (B, S) is per token (Wan 2.2 TI2V, LTX-Video conditioning); (B,) is not.
 PER_TOKEN = Split(1, ndim=2)
-
-
-def wan(model: nn.Module) -> SequencePlan:
-    """Wan 2.1/2.2: rotary embedding (1, S, 1, D) and block input split, ``proj_out`` gathered."""
-    return SequencePlan(
-        split_inputs={"": {"timestep": PER_TOKEN}, "blocks.0": {"hidden_states": 1}},
-        split_outputs={"rope": {0: 1, 1: 1}},
-        gather_outputs={"proj_out": 1},
-        attention={"blocks.*.attn1": "self"},  # attn2 is cross-attention to the text
-    )
 
 
 def ltx_video(model: nn.Module) -> SequencePlan:
@@ -96,7 +90,6 @@ def dit_style(model: nn.Module) -> SequencePlan:
 
 # diffusers class name -> plan function; only classes defined in diffusers match.
 BUILTIN: dict[str, Callable[[nn.Module], SequencePlan]] = {
-    "WanTransformer3DModel": wan,
     "LTXVideoTransformer3DModel": ltx_video,
     "HunyuanVideoTransformer3DModel": hunyuan_video,
     "CogVideoXTransformer3DModel": cogvideox,
@@ -105,12 +98,30 @@ BUILTIN: dict[str, Callable[[nn.Module], SequencePlan]] = {
 }
 
 
+def family_plans() -> dict[str, Callable[[nn.Module], SequencePlan]]:
+    """The plans the model families declare, by transformer class name."""
+    from litegen.families import Family, families  # they import this package's plan module
+
+    declared = Family.sequence_plan.__func__
+    return {
+        family.transformer_class: family.sequence_plan
+        for family in families().values()
+        if family.sequence_plan.__func__ is not declared
+    }
+
+
+def builtin_names() -> list[str]:
+    """The diffusers classes with a built-in plan: the families' and :data:`BUILTIN`'s."""
+    return sorted({*family_plans(), *BUILTIN})
+
+
 def builtin_plan(model: nn.Module) -> Callable[[nn.Module], SequencePlan] | None:
-    """The built-in plan function for ``model``'s class, if it is a diffusers class we know."""
+    """The built-in plan function for ``model``'s class, if it is a diffusers class we know:
+    its family's plan first, then :data:`BUILTIN`'s."""
     cls = type(model)
     if not cls.__module__.startswith("diffusers."):
         return None
-    return BUILTIN.get(cls.__name__)
+    return family_plans().get(cls.__name__) or BUILTIN.get(cls.__name__)
 
 
 # -- where a model's plan comes from ----------------------------------------------------------
@@ -144,7 +155,7 @@ def plan_for(model: nn.Module) -> SequencePlan:
         raise ValueError(
             f"optimization.parallel.sp_size > 1 needs a sequence-parallel plan for "
             f"{cls.__name__}, and it has none: LiteGen has built-in plans for "
-            f"{', '.join(sorted(BUILTIN))}. Declare one on the class "
+            f"{', '.join(builtin_names())}. Declare one on the class "
             f"({PLAN_ATTRIBUTE} = SequencePlan(split_inputs=..., gather_outputs=..., "
             "attention=...)) or call litegen.parallel.sequence.register_sequence_plan "
             "(docs/sequence_parallel.md)."
@@ -159,4 +170,11 @@ def plan_for(model: nn.Module) -> SequencePlan:
     return plan
 
 
-__all__ = ["BUILTIN", "builtin_plan", "plan_for", "register_sequence_plan"]
+__all__ = [
+    "BUILTIN",
+    "builtin_names",
+    "builtin_plan",
+    "family_plans",
+    "plan_for",
+    "register_sequence_plan",
+]

@@ -1,0 +1,218 @@
+"""The :class:`Family` interface: what LiteGen knows about one family of diffusers pipelines.
+
+A family is one module of :mod:`litegen.families` with one :class:`Family` subclass. It names
+the pipeline and transformer classes, which components train and which stay frozen, the latent
+rules (VAE compression in space and time, patch size, normalisation, frame counts), the
+conditions the transformer takes and how each is encoded, the training forward, the
+sequence-parallel plan, a tiny configuration for tests and how the pipeline draws a validation
+sample. A family module imports torch and diffusers inside its methods only: the registry
+loads without them, so the CLI checks a fine-tuning recipe before any rank starts without
+importing torch. The fine-tuning road (:mod:`litegen.finetune`), the built-in sequence plans, the zoo's
+real models and ``litegen_zoo.make_tiny_pipeline`` read these declarations.
+
+Example::
+
+    from litegen.families import family_for_pipeline
+
+    family = family_for_pipeline("WanPipeline")(scheduler_config)
+    loss = family.loss(transformer, {"latents": x0, "prompt_embeds": text}, objective)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from litegen.data import MediaBuckets
+from litegen.families.key_map import KeyMap
+
+if TYPE_CHECKING:
+    import torch
+
+    from litegen.objectives import FlowMatching
+    from litegen.parallel.sequence.plan import SequencePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentRules:
+    """How pixels become the transformer's tokens.
+
+    ``temporal_compression`` is None for an image family (one frame per sample). A video's
+    frame count must be ``k * temporal_compression + 1``: the VAE keeps the first frame alone.
+
+    Example:
+        >>> rules = LatentRules(8, 2, "(z - mean) / std", temporal_compression=4)
+        >>> rules.spatial_multiple, rules.is_video
+        (16, True)
+    """
+
+    spatial_compression: int
+    patch_size: int
+    normalisation: str  # how the VAE's latents are scaled, in words (for the docs)
+    temporal_compression: int | None = None
+
+    @property
+    def spatial_multiple(self) -> int:
+        """Pixel sides must be multiples of this: VAE downsampling x patch size."""
+        return self.spatial_compression * self.patch_size
+
+    @property
+    def is_video(self) -> bool:
+        return self.temporal_compression is not None
+
+
+class Family:
+    """One family of pipelines: subclass it in a module of :mod:`litegen.families`.
+
+    Class attributes declare the family; methods encode, predict and sample. An instance
+    carries the pipeline's scheduler config: a dynamic-shifting one (Flux) shifts the noise
+    levels by the latent sequence length, as the pipeline does when it samples.
+
+    ``original_keys`` maps the transformer's diffusers module names to the original
+    checkpoint's (ComfyUI's ``diffusion_model.<module>`` names), for LoRA files (q/k/v fused
+    where the original fuses them, alpha kept) and full weights; None while the family has none.
+    """
+
+    name: ClassVar[str]  # the short name: wan, flux
+    pipeline_class: ClassVar[str]  # model_index.json's _class_name
+    transformer_class: ClassVar[str]  # the diffusers class of the trained component
+    trained: ClassVar[tuple[str, ...]] = ("transformer",)
+    frozen: ClassVar[tuple[str, ...]] = ()  # the pipeline's other modules, never trained
+    latent: ClassVar[LatentRules]
+    conditions: ClassVar[dict[str, str]] = {}  # condition name -> how it is encoded
+    reference_config: ClassVar[dict[str, Any]] = {}  # the published transformer's config
+    tiny_config: ClassVar[dict[str, Any]] = {}  # the tiny transformer's config, for tests
+    original_keys: ClassVar[KeyMap | None] = None  # the original checkpoint's module names
+
+    def __init__(self, scheduler_config: dict[str, Any] | None = None) -> None:
+        self.scheduler_config = dict(scheduler_config or {})
+
+    # -- what the family is made of ---------------------------------------------------------
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0) -> Any:
+        """The tiny pipeline (random weights, built offline) that trains on a CPU in seconds."""
+        raise NotImplementedError
+
+    @classmethod
+    def sequence_plan(cls, model: torch.nn.Module) -> SequencePlan | None:
+        """The transformer's sequence-parallel plan, or None when it has none."""
+        return None
+
+    # -- data -------------------------------------------------------------------------------
+    def buckets(self, vae_config: dict[str, Any], data: Any) -> MediaBuckets:
+        """The bucket rule at the data settings (``resolution``, ``max_frames``,
+        ``frame_stride``); an image family trains one frame per sample."""
+        if not self.latent.is_video:
+            return MediaBuckets(
+                resolution=data.resolution, spatial_multiple=self.latent.spatial_multiple
+            )
+        return MediaBuckets(
+            resolution=data.resolution,
+            spatial_multiple=self.latent.spatial_multiple,
+            max_frames=data.max_frames,
+            temporal_compression=self.temporal_compression(vae_config),
+            frame_stride=data.frame_stride,
+        )
+
+    def temporal_compression(self, vae_config: dict[str, Any]) -> int:
+        """The VAE's compression in time, from its config where it says (default: the rule's)."""
+        return self.latent.temporal_compression or 1
+
+    def encode_latents(
+        self, pipe: Any, pixels: torch.Tensor, micro_batch_size: int
+    ) -> torch.Tensor:
+        """Latents of a batch of one shape, normalised as the pipeline's decode expects; the
+        VAE sees ``micro_batch_size`` samples at a time."""
+        raise NotImplementedError
+
+    def encode_text(self, pipe: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        """The text conditions the transformer takes, one row per caption."""
+        raise NotImplementedError
+
+    # -- training ---------------------------------------------------------------------------
+    def shift_for(self, seq_len: int) -> float | None:
+        """The shift the pipeline samples ``seq_len`` tokens with, if it shifts by resolution."""
+        from litegen.objectives import resolution_shift
+
+        config = self.scheduler_config
+        if not config.get("use_dynamic_shifting"):
+            return None  # the objective's own shift, from the config
+        return resolution_shift(
+            seq_len,
+            base_seq_len=config.get("base_image_seq_len", 256),
+            max_seq_len=config.get("max_image_seq_len", 4096),
+            base_shift=config.get("base_shift", 0.5),
+            max_shift=config.get("max_shift", 1.15),
+        )
+
+    def seq_len(self, latents: torch.Tensor) -> int:
+        """The transformer's token count for a batch of latents."""
+        p = self.latent.patch_size
+        return latents[0, 0].numel() // (p * p)
+
+    def predict(
+        self, model: Any, noisy: torch.Tensor, sigmas: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The transformer's velocity at noise levels ``sigmas`` (in [0, 1], one per sample),
+        in the layout of ``noisy``; ``batch`` holds the encoded conditions."""
+        raise NotImplementedError
+
+    def loss(
+        self, model: Any, batch: dict[str, torch.Tensor], objective: FlowMatching
+    ) -> torch.Tensor:
+        """The flow-matching loss of a batch of cached latents and conditions."""
+        import torch
+
+        x0 = batch["latents"].float()
+        noise = torch.randn_like(x0)
+        shift = self.shift_for(self.seq_len(x0))
+        sigmas = objective.sample_sigmas(x0.shape[0], device=x0.device, shift=shift)
+        noisy = objective.add_noise(x0, noise, sigmas)
+        prediction = self.predict(model, noisy, sigmas, batch)
+        return objective.loss(prediction, x0, noise, sigmas)
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(
+        self, pipe: Any, prompts: list[str], validation: Any, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Samples of ``prompts``: images ``(N, C, H, W)`` or videos ``(N, C, T, H, W)`` in
+        [0, 1], at ``validation``'s settings (``trainer.validation``)."""
+        raise NotImplementedError
+
+
+def max_length(tokenizer: Any) -> int:
+    """The tokenizer's length, at most 512 (a tokenizer without one says 10^30)."""
+    return min(int(tokenizer.model_max_length), 512)
+
+
+def pipeline_settings(validation: Any, **more: Any) -> dict[str, Any]:
+    """The pipeline arguments ``trainer.validation`` sets; the unset ones keep their defaults."""
+    given = {
+        "height": validation.height,
+        "width": validation.width,
+        "num_inference_steps": validation.steps,
+        "guidance_scale": validation.guidance,
+        **more,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def model_config(model: Any) -> Any:
+    """The diffusers config of ``model``, inside a DDP or FSDP1 wrapper if need be."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype  # bf16 under the bf16-mixed preset
+
+
+__all__ = [
+    "Family",
+    "LatentRules",
+    "max_length",
+    "model_config",
+    "model_dtype",
+    "pipeline_settings",
+]

@@ -1,0 +1,124 @@
+"""What the training loop runs for a fine-tuning recipe: ``build``, ``train_step``, the
+learning-rate schedule and caption dropout.
+
+Example::
+
+    parts = build(config)     # model, optimizer, data, lr_schedule, family, objective, ...
+    loss = train_step(batch, parts["model"], parts["family"], parts["objective"],
+                      parts["caption_dropout"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from litegen.families import Family
+from litegen.finetune.cache import cached_data
+from litegen.finetune.pipeline import load_transformer, make_objective, pipeline_family, settings
+from litegen.objectives import FlowMatching
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptionDropout:
+    """Each sample's text embeddings swapped for the empty caption's with ``probability``
+    (drawn from the training RNG): the unconditional half classifier-free guidance samples
+    with. Not indexable, so ``build``'s dict hands it to ``train_step`` as it is.
+
+    Example:
+        >>> batch = {"latents": torch.zeros(4, 2), "prompt_embeds": torch.ones(4, 3, 2)}
+        >>> dropout = CaptionDropout(1.0, {"prompt_embeds": torch.zeros(3, 2)})
+        >>> dropout(batch)["prompt_embeds"].sum()
+        tensor(0.)
+    """
+
+    probability: float
+    empty: dict[str, torch.Tensor]
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.probability <= 0:
+            return batch
+        some = next(iter(batch.values()))
+        dropped = torch.rand(some.shape[0], device=some.device) < self.probability
+        out = dict(batch)
+        for name, value in self.empty.items():
+            mask = dropped.view(-1, *([1] * value.dim()))
+            out[name] = torch.where(mask, value.to(batch[name]), batch[name])
+        return out
+
+
+@dataclasses.dataclass
+class LRFactor:
+    """The factor of ``lr`` at optimizer step ``s`` (from 0): ``(s + 1) / warmup_steps`` during
+    the warmup, then 1 (``constant``) or a ``linear``/``cosine`` decay toward 0 at ``max_steps``.
+    A dataclass, so that the scheduler's state in a run checkpoint holds its fields.
+
+    Example:
+        >>> [round(LRFactor("linear", 2, 6)(s), 2) for s in range(6)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+
+    name: str
+    warmup_steps: int
+    max_steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.name == "constant":
+            return 1.0
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        if self.name == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def lr_schedule(config: Any, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """``finetune.lr_schedule`` as a ``LambdaLR`` over ``optimizer`` (the loop steps it once
+    per optimizer step)."""
+    schedule = settings(config).lr_schedule
+    factor = LRFactor(schedule.name, schedule.warmup_steps, config.max_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build(config: Any) -> dict[str, Any]:
+    """The pipeline's transformer, AdamW over what trains and its LR schedule, the cached
+    samples, the family and the objective."""
+    family = pipeline_family(config)
+    if config.trainer.sample_every and not config.trainer.validation.prompts:
+        raise ValueError(
+            "trainer.sample_every is set but trainer.validation.prompts is empty: give the "
+            "prompts to sample, or set trainer.sample_every=0."
+        )
+    data, empty_prompt = cached_data(config, family)
+    model = load_transformer(config)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    dropout = settings(config).data.caption_dropout
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "lr_schedule": lr_schedule(config, optimizer),
+        "data": data,
+        "family": family,
+        "objective": make_objective(config),
+        "caption_dropout": CaptionDropout(float(dropout), empty_prompt),
+    }
+
+
+def train_step(
+    batch: dict[str, torch.Tensor],
+    model: Any,
+    family: Family,
+    objective: FlowMatching,
+    caption_dropout: CaptionDropout,
+) -> torch.Tensor:
+    """The flow-matching loss of one micro-batch of cached latents."""
+    return family.loss(model, caption_dropout(batch), objective)
+
+
+__all__ = ["CaptionDropout", "LRFactor", "build", "lr_schedule", "train_step"]

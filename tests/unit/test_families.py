@@ -1,0 +1,132 @@
+"""Every model family of litegen.families: its tiny transformer builds, the registry finds it by
+pipeline and transformer class, its training loss runs and backpropagates, its forward agrees
+with a call written out by hand, and its sequence-parallel plan is the one plans.py serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from litegen.families import families, family_for_pipeline, family_for_transformer, family_named
+from litegen.families.flux import Flux
+from litegen.families.wan import Wan
+from litegen.objectives import FlowMatching
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def tiny_transformer(family):
+    torch.manual_seed(0)
+    return getattr(diffusers, family.transformer_class)(**family.tiny_config)
+
+
+def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
+    """Cached-sample shapes: latents of 4 channels (2 frames for a video family) and text."""
+    generator = torch.Generator().manual_seed(0)
+    frames = (2,) if family.latent.is_video else ()
+    text = family.tiny_config.get("text_dim") or family.tiny_config["joint_attention_dim"]
+    out = {
+        "latents": torch.randn(batch, 4, *frames, 4, 4, generator=generator),
+        "prompt_embeds": torch.randn(batch, 6, text, generator=generator),
+    }
+    if "pooled" in family.conditions:
+        pooled = family.tiny_config["pooled_projection_dim"]
+        out["pooled"] = torch.randn(batch, pooled, generator=generator)
+    return out
+
+
+def test_the_registry_holds_the_families_and_names_them_when_asked_for_another():
+    assert set(families()) >= {"wan", "flux"}
+    for name, family in families().items():
+        assert family_named(name) is family
+        assert family_for_pipeline(family.pipeline_class) is family
+        assert family_for_transformer(family.transformer_class) is family
+    with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
+                       r"families are flux \(FluxPipeline\), wan \(WanPipeline\)"):  # fmt: skip
+        family_for_pipeline("CogVideoXPipeline")
+    with pytest.raises(ValueError, match="the families are flux"):
+        family_for_transformer("SD3Transformer2DModel")
+
+
+@pytest.mark.parametrize("name", sorted(families()))
+def test_the_tiny_transformer_trains_on_the_family_loss(name):
+    family = families()[name]
+    model = tiny_transformer(family)
+    assert type(model).__name__ == family.transformer_class
+    objective = FlowMatching(density="logit_normal")
+    torch.manual_seed(0)
+    loss = family().loss(model, tiny_batch(family), objective)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert torch.isfinite(loss) and all(g is not None for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_wan_forward_is_the_transformer_at_timesteps_of_1000():
+    model, batch = tiny_transformer(Wan), tiny_batch(Wan)
+    sigmas = torch.tensor([0.25, 0.75])
+    with torch.no_grad():
+        ours = Wan().predict(model, batch["latents"], sigmas, batch)
+        theirs = model(batch["latents"], timestep=torch.tensor([250.0, 750.0]),
+                       encoder_hidden_states=batch["prompt_embeds"], return_dict=False)[0]  # fmt: skip
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_flux_forward_packs_as_the_pipeline_and_unpacks_its_prediction():
+    from diffusers import FluxPipeline
+
+    model, batch = tiny_transformer(Flux), tiny_batch(Flux)
+    latents, sigmas = batch["latents"], torch.tensor([0.25, 0.75])
+    with torch.no_grad():
+        ours = Flux().predict(model, latents, sigmas, batch)
+        tokens = model(
+            hidden_states=FluxPipeline._pack_latents(latents, 2, 4, 4, 4),
+            timestep=sigmas,
+            pooled_projections=batch["pooled"],
+            encoder_hidden_states=batch["prompt_embeds"],
+            txt_ids=torch.zeros(6, 3),
+            img_ids=FluxPipeline._prepare_latent_image_ids(2, 2, 2, "cpu", torch.float32),
+            return_dict=False,
+        )[0]
+    # The pipeline's unpack (it takes pixel sizes: 8x the latents').
+    theirs = FluxPipeline._unpack_latents(tokens, 32, 32, 8)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_wan_encodes_images_as_one_frame_clips():
+    """max_frames=1 on a video family: images come as (B, C, H, W) and train as one frame."""
+    pipe = Wan.tiny_pipeline()
+    latents = Wan().encode_latents(pipe, torch.zeros(2, 3, 32, 32), micro_batch_size=2)
+    assert latents.shape == (2, 4, 1, 4, 4)
+
+
+def test_the_sequence_plans_come_from_the_families():
+    from litegen.parallel.sequence.plan import Split
+    from litegen.parallel.sequence.plans import plan_for
+
+    wan = tiny_transformer(Wan)
+    plan = plan_for(wan)
+    assert plan == Wan.sequence_plan(wan)
+    assert plan.split_inputs == {
+        "": {"timestep": Split(1, ndim=2)},
+        "blocks.0": {"hidden_states": 1},
+    }
+    assert plan.split_outputs == {"rope": {0: 1, 1: 1}}
+    assert plan.gather_outputs == {"proj_out": 1}
+    assert plan.attention == {"blocks.*.attn1": "self"}
+    # Flux declares none: the lookup says so and names the classes that have one.
+    with pytest.raises(
+        ValueError,
+        match=r"needs a sequence-parallel plan for FluxTransformer2DModel.*WanTransformer3DModel",
+    ):
+        plan_for(tiny_transformer(Flux))
+
+
+@pytest.mark.parametrize("name", sorted(families()))
+def test_the_tiny_pipeline_holds_the_family_classes(name):
+    family = families()[name]
+    pipe = family.tiny_pipeline()
+    assert type(pipe).__name__ == family.pipeline_class
+    assert type(pipe.transformer).__name__ == family.transformer_class
+    components = {k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+    assert components == {*family.trained, *family.frozen}
