@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from litegen.checkpoint.atomic import atomic_write_text
 from litegen_cli.recipe import Recipe
 
 HOOK = "build_cache"
@@ -226,9 +227,7 @@ def fill_rank_share(recipe: Recipe, batch_size: int, report: Path) -> None:
             cache = parts[0]
             cache.refresh()  # the other ranks' shards, for the totals on disk
             text = json.dumps(dataclasses.asdict(_report(cache, len(parts[1]), shares)))
-            tmp = report.with_suffix(".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, report)
+            atomic_write_text(report, text)
     except _Stopped:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

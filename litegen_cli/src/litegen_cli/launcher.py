@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from litegen.checkpoint.atomic import atomic_write_text
 from litegen.config import MainConfig
 from litegen_cli.failures import (
     EXIT_BAD_INPUT,
@@ -99,15 +100,7 @@ def write_resolved_recipe(
     results_dir.mkdir(parents=True, exist_ok=True)
     target = results_dir / name
     text = yaml.safe_dump(recipe.resolved_dict(), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=f".{RESOLVED_NAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write_text(target, text)
 
 
 def _summarize(err: Exception) -> LaunchFailed:
