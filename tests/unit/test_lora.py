@@ -143,3 +143,23 @@ def test_the_lora_section_is_off_by_default_and_validated():
         MainConfig.from_dict({"optimization": {"lora": {"rank": 4}}})
     with pytest.raises(ValueError, match=r"optimization\.lora\.dropout"):
         MainConfig.from_dict({"optimization": {"lora": {**LORA, "dropout": 1.0}}})
+
+
+def test_a_peft_folder_appears_complete_or_not_at_all(tmp_path, monkeypatch):
+    from litegen import lora
+
+    model = apply_lora(make_model(), LoRAConfig(**LORA))
+    folder = lora.save_peft_folder(model, model.state_dict(), tmp_path / "exp.peft")
+    earlier = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert sorted(earlier) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    def fail(value):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(lora, "_json_safe", fail)  # fails after the weights are written
+    with pytest.raises(OSError, match="No space"):
+        lora.save_peft_folder(model, model.state_dict(), tmp_path / "exp.peft")
+    with pytest.raises(OSError, match="No space"):
+        lora.save_peft_folder(model, model.state_dict(), tmp_path / "new.peft")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.peft"]

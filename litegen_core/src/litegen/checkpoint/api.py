@@ -19,12 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint.files import (
-    check_model_state,
-    checkpoint_path,
-    replace_dir,
-    save_state,
-)
+from litegen.checkpoint.atomic import replace_dir
+from litegen.checkpoint.files import check_model_state, checkpoint_path, save_state
 from litegen.checkpoint.interop import (
     is_plain_optimizer_state,
     load_model_source,

@@ -20,7 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from litegen.checkpoint.atomic import atomic_write
+# The atomic writers are declared in the torch-free ``atomic``; older imports reach them here.
+from litegen.checkpoint.atomic import atomic_write as atomic_write
+from litegen.checkpoint.atomic import atomic_write_text as atomic_write_text
+from litegen.checkpoint.atomic import replace_dir as replace_dir
 from litegen.checkpoint.formats import (
     Holding,
     StateFormat,
