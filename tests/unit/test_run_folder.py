@@ -189,6 +189,33 @@ def test_paths_are_absolute_in_the_resolved_recipe(tmp_path, monkeypatch):
     assert resolved["results_dir"] == str(tmp_path / "out" / "run")
 
 
+@pytest.mark.parametrize("name", ["../outside", "runs/a", "..", " "])
+def test_a_run_name_that_leads_out_of_the_folder_is_refused_before_anything(
+    tmp_path, launched, name
+):
+    (tmp_path / "work").mkdir()
+    recipe = write_recipe(tmp_path / "work", exp_name=name)
+    before = snapshot(tmp_path)
+    result = invoke("launch", recipe)
+    assert result.exit_code == 2, result.output
+    assert f"exp_name {name!r} cannot name a file" in result.output
+    assert not launched
+    assert snapshot(tmp_path) == before  # no results folder, no lock: nothing written
+
+
+def test_the_library_and_export_refuse_such_names_too():
+    from litegen.checkpoint.files import checkpoint_path
+    from litegen.export import export_name
+
+    with pytest.raises(ValueError, match=r"exp_name '\.\./x' cannot name a file"):
+        checkpoint_path("model", default_folder="ckpt", exp_name="../x")
+    with pytest.raises(ValueError, match=r"filename 'a/b\.pth' cannot name a file"):
+        checkpoint_path("model", default_folder="ckpt", exp_name="x", filename="a/b.pth")
+    with pytest.raises(ValueError, match=r"exp_name '/etc/x' cannot name a file"):
+        export_name("/etc/x", ema=True)
+    assert export_name("my.run-2", ema=True) == "my.run-2.ema"
+
+
 def test_a_failed_validation_writes_nothing(tmp_path, launched):
     result = invoke("launch", write_recipe(tmp_path), "max_step=4")
     assert result.exit_code == 2

@@ -36,7 +36,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from litegen.checkpoint.layout import LATEST, METRICS, STEP_DIR_GLOB, final_weights_glob, step_of
+from litegen.checkpoint.layout import (
+    LATEST,
+    METRICS,
+    STEP_DIR_GLOB,
+    check_file_name,
+    final_weights_glob,
+    step_of,
+)
 from litegen.checkpoint.step_dirs import newer_checkpoints
 
 try:
@@ -125,6 +132,10 @@ def claim_run_folder(
         ...     notes  # nothing was there to move aside
         []
     """
+    try:
+        check_file_name(config.exp_name, "exp_name")
+    except ValueError as err:
+        raise RunFolderError("Invalid run name", [str(err)]) from None
     if node_rank != 0:
         yield []
         return

@@ -177,5 +177,8 @@ def export_checkpoint(
 
 
 def export_name(exp_name: str, ema: bool) -> str:
-    """The file stem of a LoRA export: ``<exp_name>`` or ``<exp_name>.ema``."""
-    return f"{exp_name}{'.ema' if ema else ''}"
+    """The file stem of a LoRA export: ``<exp_name>`` or ``<exp_name>.ema``; ValueError when
+    ``exp_name`` cannot name a file (a separator would write outside the export folder)."""
+    from litegen.checkpoint.layout import check_file_name
+
+    return f"{check_file_name(exp_name, 'exp_name')}{'.ema' if ema else ''}"

@@ -28,7 +28,7 @@ from litegen.checkpoint.interop import (
     optimizer_file_for,
     write_diffusers_folder,
 )
-from litegen.checkpoint.layout import DCP_METADATA
+from litegen.checkpoint.layout import DCP_METADATA, check_file_name
 from litegen.checkpoint.trainable import Trainable
 from litegen.ema import persistent_buffers
 from litegen.lora import (
@@ -235,7 +235,7 @@ class CheckpointAPI:
             state = self.ema.state_dict()
         else:
             state = entry.strategy.full_model_state(entry.module, trainable_only=True)
-        name = f"{self.config.exp_name}{'.ema' if ema else ''}.peft"
+        name = f"{check_file_name(self.config.exp_name, 'exp_name')}{'.ema' if ema else ''}.peft"
         folder = Path(output_folder or Path(self.config.get_checkpoint_dir()) / name)
         if self.is_main_process:
             save_peft_folder(entry.strategy.unwrap(entry.module), state, folder)

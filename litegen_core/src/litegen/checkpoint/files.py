@@ -31,7 +31,7 @@ from litegen.checkpoint.formats import (
     format_of,
     weight_suffixes,
 )
-from litegen.checkpoint.layout import KIND_SUFFIXES, Kind
+from litegen.checkpoint.layout import KIND_SUFFIXES, Kind, check_file_name
 
 
 def checkpoint_path(
@@ -51,7 +51,8 @@ def checkpoint_path(
     """
     folder = Path(output_folder or default_folder)
     if filename:
-        return folder / filename
+        return folder / check_file_name(filename, "filename")
+    check_file_name(exp_name, "exp_name")
     prefix = exp_name if step is None else f"{exp_name}_step{step}"
     return folder / f"{prefix}{KIND_SUFFIXES[kind]}"
 

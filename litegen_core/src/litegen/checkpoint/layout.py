@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import glob
+import os
 import re
 import uuid
 from pathlib import Path
@@ -112,3 +113,36 @@ def final_weights_glob(exp_name: str) -> str:
     'dit*.pth'
     """
     return f"{glob.escape(exp_name)}*{KIND_SUFFIXES['model']}"
+
+
+def check_file_name(value: str, field: str) -> str:
+    """``value`` when it can name a file inside a run's folder; a ValueError naming ``field``
+    and the fix when it would lead elsewhere (a path separator, ``.`` or ``..``) or is empty.
+
+    Names from a config (``exp_name``) become file and folder names (``<exp_name>.pth``,
+    ``results/<exp_name>``); a separator in one would write outside the run's folder.
+
+    Example:
+        >>> check_file_name("dit_xl-256", "exp_name")
+        'dit_xl-256'
+        >>> check_file_name("../elsewhere", "exp_name")
+        Traceback (most recent call last):
+        ...
+        ValueError: exp_name '../elsewhere' cannot name a file: it holds a path separator. ...
+    """
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if not value or not value.strip():
+        problem = "is empty"
+    elif any(sep in value for sep in separators):
+        problem = "holds a path separator"
+    elif value in (".", ".."):
+        problem = "names a folder, not a file"
+    elif "\0" in value:
+        problem = "holds a NUL character"
+    else:
+        return value
+    raise ValueError(
+        f"{field} {value!r} cannot name a file: it {problem}. Use a plain name such as "
+        "'dit_xl' (letters, digits, '-', '_', '.'); choose folders with results_dir and "
+        "checkpoint_dir."
+    )
