@@ -112,6 +112,25 @@ def test_resume_from_adapter_files_restores_adapters_optimizer_and_ema(tmp_path)
     )
 
 
+@pytest.mark.parametrize("field", ["resume_from", "ema"])
+def test_an_adapter_file_of_another_rank_names_the_file_and_the_shapes(tmp_path, field):
+    gen = make_gen(tmp_path, optimization={"lora": LORA}, ema={"enable": True})
+    model = make_model()
+    gen.prepare(model, torch.optim.AdamW(model.parameters()))
+    path = gen.save_model() if field == "resume_from" else gen.save_ema()
+    gen.save_optimizer()
+    other = {**LORA, "rank": 4}
+    fields = {"resume_from": str(path)} if field == "resume_from" else {}
+    ema = {"enable": True, **({"resume_from": str(path)} if field == "ema" else {})}
+    resumed = make_gen(tmp_path, optimization={"lora": other}, ema=ema, **fields)
+    with pytest.raises(
+        ValueError, match=r"mlp\.0\.lora_A\.default\.weight: file \(2, \d+\) vs model \(4, \d+\)"
+    ) as err:
+        model = make_model()
+        resumed.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert str(path) in str(err.value) and "optimization.lora.rank" in str(err.value)
+
+
 def test_target_modules_that_match_nothing_name_the_field():
     with pytest.raises(ValueError, match=r"optimization\.lora\.target_modules \['nope'\]"):
         apply_lora(make_model(), LoRAConfig(rank=2, target_modules=["nope"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -282,6 +283,8 @@ class CheckpointAPI:
         if has_adapters(entry.module) and is_adapter_file(state):
             module = entry.strategy.unwrap(entry.module)
             adapters = model_keyed(module, state, self.lora_prefix, path)
+            # An adapter file of another rank has the right keys at other shapes.
+            check_adapter_shapes(entry.strategy.dcp_state(entry.module)["model"], adapters, path)
             entry.strategy.load_full_model_state(entry.module, adapters, strict=False)
             return
         # The strategy's sharded state has every key at its global shape; the unwrapped module's
@@ -298,10 +301,12 @@ class CheckpointAPI:
         """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
         state = load_model_source(path, what="ema.resume_from")
         model = entry.strategy.unwrap(entry.module)
-        if has_adapters(model) and is_adapter_file(state):
-            self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
-            return
         expected = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
+        if has_adapters(model) and is_adapter_file(state):
+            adapters = model_keyed(model, state, self.lora_prefix, path)
+            check_adapter_shapes(expected, adapters, path)
+            self.ema.load_state_dict(adapters)
+            return
         check_model_state(expected, state, path)
         self.ema.load_state_dict(state)
 
@@ -380,3 +385,18 @@ class CheckpointAPI:
             log.info("saved %s (%s weights)", folder, "EMA" if use_ema else "model")
         dist.barrier()
         return folder
+
+
+def check_adapter_shapes(
+    expected: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], path: str | Path
+) -> None:
+    """``adapters`` (an adapter file keyed like the model) at the shapes of the model's own
+    adapters; a ValueError naming the file and each differing shape otherwise (a file saved
+    with another ``optimization.lora.rank``)."""
+    try:
+        check_model_state({k: v for k, v in expected.items() if k in adapters}, adapters, path)
+    except ValueError as err:
+        raise ValueError(
+            f"{err} An adapter file of another optimization.lora.rank (or target_modules) "
+            "cannot be loaded; set the rank it was saved with, or start the adapters afresh."
+        ) from None
