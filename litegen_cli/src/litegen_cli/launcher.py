@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from litegen.checkpoint.atomic import atomic_write_text
+from litegen.checkpoint.layout import RESOLVED_RECIPE
 from litegen.config import MainConfig
 from litegen_cli.failures import (
     EXIT_BAD_INPUT,
@@ -29,7 +30,7 @@ from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, Recipe
 
-RESOLVED_NAME = "recipe.resolved.yaml"
+RESOLVED_NAME = RESOLVED_RECIPE
 WORKER_MODULE = "litegen_cli.worker"
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 # Offload frees each block's saved tensors as their copies finish and brings them back during

@@ -29,7 +29,7 @@ from litegen.checkpoint.interop import (
     optimizer_file_for,
     write_diffusers_folder,
 )
-from litegen.checkpoint.layout import DCP_METADATA, check_file_name
+from litegen.checkpoint.layout import DCP_METADATA, DIFFUSERS_DIR, check_file_name
 from litegen.checkpoint.trainable import Trainable
 from litegen.ema import persistent_buffers
 from litegen.lora import (
@@ -377,7 +377,7 @@ class CheckpointAPI:
                 "pass ema=False to export the model's own weights."
             )
         state = self.full_ema_state() if use_ema else self.full_model_state(model)
-        folder = Path(output_folder or Path(self.config.get_results_dir()) / "diffusers")
+        folder = Path(output_folder or Path(self.config.get_results_dir()) / DIFFUSERS_DIR)
         if self.is_main_process:
             partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
             write_diffusers_folder(entry.strategy.unwrap(entry.module), state, partial)
