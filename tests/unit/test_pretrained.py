@@ -141,3 +141,12 @@ def test_the_tiny_pipeline_samples_videos_on_the_temporal_rule(wan: Path) -> Non
     ).frames
     assert frames.shape == (1, 9, 3, 32, 32)
     assert torch.isfinite(frames).all()
+
+
+def test_a_component_of_another_library_is_not_imported(wan: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(wan, tmp_path / "odd")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer"] = ["json", "JSONDecoder"]  # any installed module could be named
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"library 'json'; LiteGen loads components of"):
+        load_component(folder, "transformer")

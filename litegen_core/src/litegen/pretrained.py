@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL_INDEX = "model_index.json"
+COMPONENT_LIBRARIES = ("diffusers", "transformers")
 _MAX_HEADER = 100_000_000  # safetensors' own bound on a header
 
 
@@ -157,6 +158,11 @@ def load_component(folder: str | Path, name: str, **kwargs: Any) -> Any:
             f"pipeline folder {folder} has no component {name!r}; it has {sorted(components)}."
         )
     library, class_name = components[name]
+    if library not in COMPONENT_LIBRARIES:  # model_index.json must not pick what is imported
+        raise ValueError(
+            f"{Path(folder) / MODEL_INDEX} gives the {name!r} component the library "
+            f"{library!r}; LiteGen loads components of {' and '.join(COMPONENT_LIBRARIES)} only."
+        )
     cls = getattr(importlib.import_module(library), class_name)
     return cls.from_pretrained(Path(folder) / name, local_files_only=True, **kwargs)
 
