@@ -71,7 +71,7 @@ def test_move_newer_aside_keeps_them_and_the_run_goes_on(tmp_path, finished):
     assert code == 0, out[-4000:]
     (aside,) = tmp_path.glob("run/ckpt.old-*")
     assert f"Moved step_4, step_6 (newer than step_2) aside to {aside}" in out.replace("\n", "")
-    moved = ["metrics.jsonl", "step_4", "step_6", "tiny.optim_state.pth", "tiny.pth"]
+    moved = ["latest", "metrics.jsonl", "step_4", "step_6", "tiny.optim_state.pth", "tiny.pth"]
     assert sorted(p.name for p in aside.iterdir()) == moved
     assert [m["step"] for m in read_metrics(aside)] == list(range(1, STEPS + 1))  # a copy
     assert snapshot(aside / "step_6") == step_6

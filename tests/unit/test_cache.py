@@ -241,3 +241,60 @@ def test_no_temporary_files_left(tmp_path):
         cache.put(0, value(0))
     names = os.listdir(tmp_path / "enc-1")
     assert sorted(n.rsplit(".", 1)[1] for n in names) == ["json", "safetensors"]
+
+
+def test_a_zeroed_shard_counts_as_a_hit_only_until_it_is_verified(tmp_path):
+    """Same size, every byte zero: the index still lists its entries, so a fill that trusts
+    the index skips them forever; verify reads them back, moves the shard aside and the fill
+    encodes them again."""
+    dataset = [torch.full((2,), float(i)) for i in range(4)]
+    encode = lambda samples: {"emb": torch.stack(samples) * 2}  # noqa: E731
+    with TensorCache(tmp_path, "text", dtype=None) as cache:
+        assert fill_cache(cache, dataset, encode) == 4
+    (shard,) = shard_files(tmp_path / "text", ".safetensors")
+    shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.warns(RuntimeWarning, match="`litegen cache build` with the run's recipe"):
+        trusting = TensorCache(tmp_path, "text", dtype=None)
+        assert fill_cache(trusting, dataset, encode) == 0  # the index says they are there
+        assert trusting.get(0) is None  # ... but they cannot be read
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        checking = TensorCache(tmp_path, "text", dtype=None)
+        assert fill_cache(checking, dataset, encode, verify=True) == 4
+    assert checking.damaged == {shard.name.removesuffix(".safetensors")}
+    aside = sorted(p.name for p in shard.parent.iterdir() if p.name.endswith(".damaged"))
+    assert aside == [f".{shard.stem}.json.damaged", f".{shard.name}.damaged"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a later process meets no damaged shard
+        later = TensorCache(tmp_path, "text", dtype=None)
+        for i in range(4):
+            assert_equal(later.get(i)["emb"], dataset[i] * 2)
+        assert fill_cache(later, dataset, encode, verify=True) == 0
+
+
+def test_file_keys_follow_the_recipe_identity_and_a_digest_sees_kept_size_and_time(tmp_path):
+    import hashlib
+    import os
+
+    from litegen.cache import file_key
+
+    media = tmp_path / "clips" / "fox.mp4"
+    media.parent.mkdir()
+    media.write_bytes(b"frames-1")
+    stat = media.stat()
+    # The identity the fine-tuning recipes hash (path|size|mtime|caption): caches stay valid.
+    identity = f"clips/fox.mp4|{stat.st_size}|{stat.st_mtime_ns}|a fox"
+    assert (
+        file_key(media, root=tmp_path, extra="a fox")
+        == hashlib.sha256(identity.encode()).hexdigest()[:24]
+    )
+    plain, digest = (
+        file_key(media, root=tmp_path),
+        file_key(media, root=tmp_path, content_digest=True),
+    )
+    media.write_bytes(b"frames-2")  # same size...
+    os.utime(media, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the time put back
+    assert file_key(media, root=tmp_path) == plain  # the cheap key cannot tell
+    assert file_key(media, root=tmp_path, content_digest=True) != digest
+    latin1 = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.png")))
+    latin1.write_bytes(b"x")
+    assert len(file_key(latin1, root=tmp_path, extra="caf\udce9")) == 24  # no encode error

@@ -100,6 +100,23 @@ def test_a_build_stopped_midway_keeps_what_it_encoded(tmp_path):
     assert len(stored(tmp_path)) == 12
 
 
+def test_a_zeroed_shard_is_re_encoded_by_the_next_build(tmp_path):
+    recipe = make_recipe(tmp_path)
+    assert build(recipe).exit_code == 0
+    (shard,) = stored(tmp_path).directory.glob("*.safetensors")
+    shard.write_bytes(bytes(shard.stat().st_size))  # same size: only reading it back tells
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        result = build(recipe)
+    assert result.exit_code == 0, result.output
+    assert row(result.output, "hits (already cached)") == "0"
+    assert row(result.output, "misses (encoded now)") == "12"
+    assert row(result.output, "damaged shards (moved aside)") == "1"
+    again = build(recipe)
+    assert row(again.output, "hits (already cached)") == "12"
+    assert row(again.output, "damaged shards (moved aside)") == "0"
+    assert stored(tmp_path).get(7)["z"].tolist() == [14.0, 14.0, 14.0]
+
+
 def test_overrides_reach_the_hook(tmp_path):
     """A changed setting (here the fingerprint's version) fills a new namespace."""
     recipe = make_recipe(tmp_path)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -136,6 +137,7 @@ def test_the_run_folder_names_import_without_torch():
         """
         import sys
         import litegen.checkpoint.layout, litegen.checkpoint.formats, litegen.checkpoint.step_dirs
+        import litegen.checkpoint.atomic
         import litegen_cli.run_folder, litegen_cli.resume
         loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
         assert not loaded, loaded[:5]
@@ -143,3 +145,17 @@ def test_the_run_folder_names_import_without_torch():
     )
     proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o027, 0o077])
+def test_atomic_files_get_the_mode_of_an_ordinary_write(tmp_path, umask):
+    from litegen.checkpoint.atomic import atomic_write_text
+
+    previous = os.umask(umask)
+    try:
+        written = atomic_write_text(tmp_path / "a.txt", "x")
+        (tmp_path / "b.txt").write_text("x")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE((tmp_path / "b.txt").stat().st_mode)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -152,8 +152,9 @@ def test_a_caption_in_invalid_utf8_is_a_bad_file(tmp_path):
     bad.write_bytes(b"a caf\xe9 in latin-1")
     files, skipped = scan_media(root)
     assert [f.path.name for f in files] == ["image_0.png"]
-    assert any(b.path == bad and "not valid UTF-8" in b.reason for b in skipped)
-    with pytest.raises(ValueError, match=rf"{bad}: caption is not valid UTF-8"):
+    image = bad.with_suffix(".png")
+    assert any(b.path == image and "image_1.txt is not valid UTF-8" in b.reason for b in skipped)
+    with pytest.raises(ValueError, match=rf"{image}: its caption file image_1.txt is not valid"):
         scan_media(root, on_bad="error")
 
 

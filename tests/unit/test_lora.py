@@ -112,6 +112,25 @@ def test_resume_from_adapter_files_restores_adapters_optimizer_and_ema(tmp_path)
     )
 
 
+@pytest.mark.parametrize("field", ["resume_from", "ema"])
+def test_an_adapter_file_of_another_rank_names_the_file_and_the_shapes(tmp_path, field):
+    gen = make_gen(tmp_path, optimization={"lora": LORA}, ema={"enable": True})
+    model = make_model()
+    gen.prepare(model, torch.optim.AdamW(model.parameters()))
+    path = gen.save_model() if field == "resume_from" else gen.save_ema()
+    gen.save_optimizer()
+    other = {**LORA, "rank": 4}
+    fields = {"resume_from": str(path)} if field == "resume_from" else {}
+    ema = {"enable": True, **({"resume_from": str(path)} if field == "ema" else {})}
+    resumed = make_gen(tmp_path, optimization={"lora": other}, ema=ema, **fields)
+    with pytest.raises(
+        ValueError, match=r"mlp\.0\.lora_A\.default\.weight: file \(2, \d+\) vs model \(4, \d+\)"
+    ) as err:
+        model = make_model()
+        resumed.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert str(path) in str(err.value) and "optimization.lora.rank" in str(err.value)
+
+
 def test_target_modules_that_match_nothing_name_the_field():
     with pytest.raises(ValueError, match=r"optimization\.lora\.target_modules \['nope'\]"):
         apply_lora(make_model(), LoRAConfig(rank=2, target_modules=["nope"]))
@@ -143,3 +162,23 @@ def test_the_lora_section_is_off_by_default_and_validated():
         MainConfig.from_dict({"optimization": {"lora": {"rank": 4}}})
     with pytest.raises(ValueError, match=r"optimization\.lora\.dropout"):
         MainConfig.from_dict({"optimization": {"lora": {**LORA, "dropout": 1.0}}})
+
+
+def test_a_peft_folder_appears_complete_or_not_at_all(tmp_path, monkeypatch):
+    from litegen import lora
+
+    model = apply_lora(make_model(), LoRAConfig(**LORA))
+    folder = lora.save_peft_folder(model, model.state_dict(), tmp_path / "exp.peft")
+    earlier = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert sorted(earlier) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    def fail(value):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(lora, "_json_safe", fail)  # fails after the weights are written
+    with pytest.raises(OSError, match="No space"):
+        lora.save_peft_folder(model, model.state_dict(), tmp_path / "exp.peft")
+    with pytest.raises(OSError, match="No space"):
+        lora.save_peft_folder(model, model.state_dict(), tmp_path / "new.peft")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.peft"]

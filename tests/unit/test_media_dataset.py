@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,35 @@ def test_docstring_bucket_example() -> None:
     rule = MediaBuckets(resolution=64, spatial_multiple=16, max_frames=17)
     clip = MediaFile(Path("a.mp4"), "a fox", 640, 360, frames=30, is_video=True)
     assert rule.bucket(clip) == (17, 48, 80)
+
+
+def test_a_caption_over_the_limit_is_named_and_never_read(tmp_path: Path) -> None:
+    write_png(tmp_path / "good.png", 32, 32)
+    (tmp_path / "good.txt").write_text("fine")
+    write_png(tmp_path / "huge.png", 32, 32)
+    (tmp_path / "huge.txt").write_bytes(b"a fox " * 200_000)  # 1.2 MB, past the 1 MiB default
+    files, bad = scan_media(tmp_path)
+    assert [f.path.name for f in files] == ["good.png"]
+    [(path, reason)] = [(b.path, b.reason) for b in bad]
+    assert path == tmp_path / "huge.png"
+    assert reason.startswith("its caption file huge.txt has 1200000 bytes, over the caption limit")
+    rows = [{"file_name": "good.png", "text": "x" * 65}, {"file_name": "huge.png", "text": "ok"}]
+    (tmp_path / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(
+        ValueError, match=r"good\.png: its caption \(metadata\.jsonl row 1\) has 65"
+    ):
+        MediaDataset(tmp_path, on_bad="error", max_caption_bytes=64)
+
+
+def test_a_name_that_is_not_utf8_is_a_bad_file_named_printably(tmp_path: Path) -> None:
+    write_png(tmp_path / "good.png", 32, 32)
+    (tmp_path / "good.txt").write_text("fine")
+    latin1 = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.png")))
+    write_png(latin1, 32, 32)
+    latin1.with_suffix(".txt").write_text("a cafe")
+    files, bad = scan_media(tmp_path)
+    assert [f.path.name for f in files] == ["good.png"]
+    assert [str(b) for b in bad] == [
+        f"{tmp_path}/caf\\xe9.png: its name is not valid UTF-8: rename it "
+        "(e.g. convmv -f latin1 -t utf8)"
+    ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -45,6 +47,64 @@ def test_bad_folders_name_the_path_and_the_fix(wan: Path, tmp_path: Path) -> Non
         load_pipeline(wan, trained=["unet"])
 
 
+def _damaged(wan: Path, tmp_path: Path, damage) -> Path:
+    folder = shutil.copytree(wan, tmp_path / "damaged")
+    damage(folder)
+    return folder
+
+
+def _zero_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:64] = bytes(64)  # same size, header gone
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (
+            lambda f: (f / "vae" / "diffusion_pytorch_model.safetensors").unlink(),
+            r"the 'vae' component has no weights file in .*/vae",
+        ),
+        (
+            lambda f: _zero_header(f / "transformer" / "diffusion_pytorch_model.safetensors"),
+            r"damaged weights file .*transformer/diffusion_pytorch_model\.safetensors \(its "
+            r"header length 0",
+        ),
+        (
+            lambda f: os.truncate(f / "text_encoder" / "model.safetensors", 40_000),
+            r"damaged weights file .*text_encoder/model\.safetensors \(.*\(truncated\)",
+        ),
+    ],
+    ids=["missing", "zeroed", "truncated"],
+)
+def test_damaged_weights_files_are_named_before_loading(wan, tmp_path, damage, expected):
+    assert check_pipeline_folder(wan)  # the intact folder passes
+    folder = _damaged(wan, tmp_path, damage)
+    with pytest.raises(ValueError, match=expected) as err:
+        check_pipeline_folder(folder)
+    assert "Copy that subfolder again" in str(err.value)
+
+
+def test_sharded_weights_are_checked_through_their_index(tmp_path):
+    from safetensors.torch import save_file
+
+    from litegen.pretrained import weights_problem
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a": torch.ones(4)}, str(tmp_path / "m-00001-of-00002.safetensors"))
+    index = {
+        "weight_map": {"a": "m-00001-of-00002.safetensors", "b": "m-00002-of-00002.safetensors"}
+    }
+    (tmp_path / "m.safetensors.index.json").write_text(json.dumps(index))
+    assert "misses the weights file" in weights_problem(tmp_path)
+    assert "m-00002-of-00002.safetensors, which m.safetensors.index.json lists" in weights_problem(
+        tmp_path
+    )
+    save_file({"b": torch.ones(4)}, str(tmp_path / "m-00002-of-00002.safetensors"))
+    assert weights_problem(tmp_path) is None
+
+
 def test_the_trained_component_learns_and_the_rest_is_frozen(wan: Path) -> None:
     pipe = load_pipeline(wan)
     assert all(p.requires_grad for p in pipe.transformer.parameters())
@@ -81,3 +141,12 @@ def test_the_tiny_pipeline_samples_videos_on_the_temporal_rule(wan: Path) -> Non
     ).frames
     assert frames.shape == (1, 9, 3, 32, 32)
     assert torch.isfinite(frames).all()
+
+
+def test_a_component_of_another_library_is_not_imported(wan: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(wan, tmp_path / "odd")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer"] = ["json", "JSONDecoder"]  # any installed module could be named
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"library 'json'; LiteGen loads components of"):
+        load_component(folder, "transformer")

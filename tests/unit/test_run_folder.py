@@ -154,6 +154,71 @@ def test_a_live_lock_blocks_a_launch_and_a_stale_one_does_not(tmp_path, launched
     assert not (results / LOCK_NAME).exists()
 
 
+def newer_run(run: Path) -> None:
+    """What a LoRA run of 6 steps leaves, checkpointed every 2 steps, sampled every 2 steps,
+    exported at its end and once by `litegen export`."""
+    files = {
+        "latest": "step_6\n",
+        "metrics.jsonl": "".join(f'{{"step": {i}}}\n' for i in range(1, 7)),
+        "recipe.resolved.yaml": "launch: {entry: x}\n",
+        "tiny.lora.safetensors": "adapters",
+        "tiny.ema.lora.safetensors": "ema adapters",
+        "tiny.optim_state.pth": "optimizer",
+        "tiny.pth": "weights",
+        "tiny_step2.pth": "weights at 2",
+        "tiny_step6.pth": "weights at 6",
+        "tiny.peft/adapter_config.json": "{}",
+        "tiny.peft/adapter_model.safetensors": "peft adapters",
+        "samples/step_2/samples.png": "png 2",
+        "samples/step_4/samples.png": "png 4",
+        "samples/step_6/samples.mp4": "mp4 6",
+        "lora/tiny.ema.lora.safetensors": "exported adapters",
+        "lora/tiny.ema.peft/adapter_config.json": "{}",
+        "pipeline/transformer/diffusion_pytorch_model.safetensors": "exported weights",
+        "profile/rank_0.json": "trace",
+        "exports/step_6/tiny.lora.safetensors": "litegen export",
+    }
+    for step in (2, 4, 6):
+        files[f"step_{step}/COMPLETE"] = "ok\n"
+        files[f"step_{step}/model_0/__0_0.distcp"] = f"shard {step}"
+    for name, text in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+
+
+def test_move_newer_aside_keeps_every_byte_of_the_newer_run(tmp_path):
+    from litegen.config import MainConfig
+    from litegen_cli.run_folder import claim_run_folder
+
+    run = tmp_path / "run"
+    newer_run(run)
+    before = {k: v for k, v in snapshot(run).items() if v[0] != "dir"}
+    config = MainConfig(exp_name="tiny", results_dir=str(run))
+    with claim_run_folder(
+        config, continuing=True, resumes=run / "step_2", move_newer_aside=True
+    ) as notes:
+        pass
+    (aside,) = tmp_path.glob("run.old-*")
+    assert "With them: lora, pipeline, profile, samples/step_4, samples/step_6" in notes[0]
+    after = snapshot(tmp_path)
+    for name, (_, _, digest) in before.items():
+        kept = after.get(f"run/{name}") or after.get(f"{aside.name}/{name}")
+        assert kept and kept[2] == digest, name
+    # In place: what the continued run keeps or rewrites (a copy of those is aside too);
+    # everything else it would write again is aside, nothing left to overwrite.
+    in_place = {name for name in before if f"run/{name}" in after}
+    assert in_place == {
+        "step_2/COMPLETE",
+        "step_2/model_0/__0_0.distcp",
+        "tiny_step2.pth",
+        "samples/step_2/samples.png",
+        "exports/step_6/tiny.lora.safetensors",
+        "latest",
+        "metrics.jsonl",
+        "recipe.resolved.yaml",
+    }
+
+
 def test_a_lock_of_another_host_is_live_until_its_heartbeat_is_old(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -187,6 +252,33 @@ def test_paths_are_absolute_in_the_resolved_recipe(tmp_path, monkeypatch):
     resolved = recipe.resolved_dict()
     assert resolved["launch"]["entry"] == str(tmp_path / "recipes" / "my_entry.py")
     assert resolved["results_dir"] == str(tmp_path / "out" / "run")
+
+
+@pytest.mark.parametrize("name", ["../outside", "runs/a", "..", " "])
+def test_a_run_name_that_leads_out_of_the_folder_is_refused_before_anything(
+    tmp_path, launched, name
+):
+    (tmp_path / "work").mkdir()
+    recipe = write_recipe(tmp_path / "work", exp_name=name)
+    before = snapshot(tmp_path)
+    result = invoke("launch", recipe)
+    assert result.exit_code == 2, result.output
+    assert f"exp_name {name!r} cannot name a file" in result.output
+    assert not launched
+    assert snapshot(tmp_path) == before  # no results folder, no lock: nothing written
+
+
+def test_the_library_and_export_refuse_such_names_too():
+    from litegen.checkpoint.files import checkpoint_path
+    from litegen.export import export_name
+
+    with pytest.raises(ValueError, match=r"exp_name '\.\./x' cannot name a file"):
+        checkpoint_path("model", default_folder="ckpt", exp_name="../x")
+    with pytest.raises(ValueError, match=r"filename 'a/b\.pth' cannot name a file"):
+        checkpoint_path("model", default_folder="ckpt", exp_name="x", filename="a/b.pth")
+    with pytest.raises(ValueError, match=r"exp_name '/etc/x' cannot name a file"):
+        export_name("/etc/x", ema=True)
+    assert export_name("my.run-2", ema=True) == "my.run-2.ema"
 
 
 def test_a_failed_validation_writes_nothing(tmp_path, launched):

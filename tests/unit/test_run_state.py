@@ -259,3 +259,17 @@ def test_nothing_non_finite_is_committed_at_a_checkpoint_step(tmp_path, step_fn,
     with pytest.raises(FloatingPointError, match=error):
         run(tmp_path, 4, step_fn=step_fn, checkpoint_every=2, on_nan="abort")
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
+def test_every_file_of_a_run_follows_the_umask(tmp_path):
+    # A group-shared run folder (umask 002) must be readable by the group, files made through
+    # a temporary name included.
+    previous = os.umask(0o002)
+    try:
+        run(tmp_path, 4, checkpoint_every=2, save_final=True)
+    finally:
+        os.umask(previous)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == COMPLETE for p in files) and any(p.name == LATEST for p in files)
+    private = [str(p.relative_to(tmp_path)) for p in files if not p.stat().st_mode & 0o040]
+    assert private == []

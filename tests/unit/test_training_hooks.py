@@ -136,6 +136,34 @@ def test_videos_become_an_mp4_grid_and_images_in_minus_one_to_one_a_png(tmp_path
         save_samples(torch.zeros(2, 4), tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["png", "mp4", "gif"])
+def test_a_sample_write_failing_midway_keeps_the_earlier_file(tmp_path, monkeypatch, kind):
+    from PIL import Image as PILImage
+
+    from litegen.trainer import media
+
+    if kind == "mp4":
+        pytest.importorskip("av")
+    else:
+        monkeypatch.setattr(media, "mp4_available", lambda: False)
+    samples = torch.rand(2, 3, 8, 8) if kind == "png" else torch.rand(2, 3, 3, 8, 8)
+    (first,) = save_samples(samples, tmp_path)
+    assert first.name == f"samples.{kind}"
+    earlier = first.read_bytes()
+
+    def half_written(path):
+        with open(path, "wb") as handle:  # a disk that fills up, a kill: some bytes, then out
+            handle.write(earlier[:10])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(media, "_write_mp4", lambda grids, path: half_written(path))
+    monkeypatch.setattr(PILImage.Image, "save", lambda image, path, **kw: half_written(path))
+    with pytest.raises(OSError, match="No space"):
+        save_samples(samples, tmp_path)
+    assert first.read_bytes() == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
+
+
 def test_videos_become_a_gif_without_an_h264_encoder(tmp_path, monkeypatch):
     from litegen.trainer import media
 

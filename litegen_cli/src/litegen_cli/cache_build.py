@@ -5,7 +5,9 @@ The recipe's entry module defines the hook (see docs/cli.md)::
     def build_cache(config) -> tuple[TensorCache, dataset, encode_fn]          # or
     def build_cache(config) -> tuple[TensorCache, dataset, encode_fn, keys]
 
-and ``litegen.cache.fill_cache`` encodes every sample the cache lacks. With one rank this
+and ``litegen.cache.fill_cache`` encodes every sample the cache lacks. Every entry counted as
+a hit is read back and checked against its checksums first: a damaged shard is moved aside and
+its entries encoded again. With one rank this
 process does it all (:func:`build_recipe_cache`). With N ranks the launcher of ``litegen
 launch`` starts them (:func:`build_cache_on_ranks`), each in the worker's cache-build mode
 (:func:`fill_rank_share`): rank r calls the hook on its own device and encodes samples
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from litegen.checkpoint.atomic import atomic_write_text
 from litegen_cli.recipe import Recipe
 
 HOOK = "build_cache"
@@ -39,7 +42,8 @@ REPORT_NAME = "cache_report.json"
 @dataclass
 class CacheReport:
     """What one fill did, over all its ranks: ``misses`` samples encoded, ``hits`` found
-    already cached, ``bytes_written`` summed; ``seconds`` of the slowest rank."""
+    already cached (read back intact), ``bytes_written`` summed, ``damaged_shards`` found and
+    moved aside (their entries re-encoded); ``seconds`` of the slowest rank."""
 
     directory: str
     samples: int
@@ -50,6 +54,7 @@ class CacheReport:
     total_bytes: int
     seconds: float
     ranks: int = 1
+    damaged_shards: int = 0
 
 
 def _unpack(
@@ -108,16 +113,17 @@ def _fill_share(
     batch_size: int,
     rank: int,
     world_size: int,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Encode this rank's share of what the cache lacks; its counts for the report."""
     from litegen.cache import fill_cache
 
     cache, dataset, encode_fn, keys = parts
     start = time.perf_counter()
     try:
+        # verify: a hit is an entry that reads back intact, so a damaged shard is re-encoded.
         encoded = fill_cache(
             cache, dataset, encode_fn, keys=keys, batch_size=batch_size,
-            rank=rank, world_size=world_size,
+            rank=rank, world_size=world_size, verify=True,
         )  # fmt: skip
     except BaseException:
         # Stopped midway (Ctrl-C, a stop, a sample that fails): keep what this rank already
@@ -130,17 +136,19 @@ def _fill_share(
         "hits": share - encoded,
         "misses": encoded,
         "bytes_written": cache.stats.bytes_written,
+        "damaged_shards": sorted(cache.damaged),
         "seconds": time.perf_counter() - start,
     }
 
 
-def _report(cache: Any, samples: int, shares: list[dict[str, float]]) -> CacheReport:
+def _report(cache: Any, samples: int, shares: list[dict[str, Any]]) -> CacheReport:
     return CacheReport(
         directory=str(cache.directory),
         samples=samples,
         hits=int(sum(s["hits"] for s in shares)),
         misses=int(sum(s["misses"] for s in shares)),
         bytes_written=int(sum(s["bytes_written"] for s in shares)),
+        damaged_shards=len(set().union(*(s["damaged_shards"] for s in shares))),
         total_entries=len(cache),
         total_bytes=cache.total_bytes,
         seconds=max(s["seconds"] for s in shares),
@@ -226,9 +234,7 @@ def fill_rank_share(recipe: Recipe, batch_size: int, report: Path) -> None:
             cache = parts[0]
             cache.refresh()  # the other ranks' shards, for the totals on disk
             text = json.dumps(dataclasses.asdict(_report(cache, len(parts[1]), shares)))
-            tmp = report.with_suffix(".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, report)
+            atomic_write_text(report, text)
     except _Stopped:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -264,6 +270,7 @@ def report_table(report: CacheReport):
         ("ranks", str(report.ranks)),
         ("hits (already cached)", str(report.hits)),
         ("misses (encoded now)", str(report.misses)),
+        ("damaged shards (moved aside)", str(report.damaged_shards)),
         ("bytes written", f"{report.bytes_written} ({report.bytes_written / 2**20:.2f} MiB)"),
         ("entries in cache", str(report.total_entries)),
         ("bytes on disk", f"{report.total_bytes} ({report.total_bytes / 2**20:.2f} MiB)"),

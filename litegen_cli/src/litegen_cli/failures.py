@@ -89,7 +89,7 @@ def record_failure(err: BaseException, rank: int, results_dir: str | Path | None
     }
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        from litegen.checkpoint.files import atomic_write_text
+        from litegen.checkpoint.atomic import atomic_write_text
 
         # torchrun may kill this rank while it writes (another rank died first), then parses
         # every file it finds: a half-written one would crash torchrun itself and stop restarts.

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from litegen.checkpoint.atomic import atomic_write_text
+from litegen.checkpoint.layout import RESOLVED_RECIPE
 from litegen.config import MainConfig
 from litegen_cli.failures import (
     EXIT_BAD_INPUT,
@@ -28,7 +30,7 @@ from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, Recipe
 
-RESOLVED_NAME = "recipe.resolved.yaml"
+RESOLVED_NAME = RESOLVED_RECIPE
 WORKER_MODULE = "litegen_cli.worker"
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 # Offload frees each block's saved tensors as their copies finish and brings them back during
@@ -99,15 +101,7 @@ def write_resolved_recipe(
     results_dir.mkdir(parents=True, exist_ok=True)
     target = results_dir / name
     text = yaml.safe_dump(recipe.resolved_dict(), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=f".{RESOLVED_NAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write_text(target, text)
 
 
 def _summarize(err: Exception) -> LaunchFailed:

@@ -23,6 +23,7 @@ there before the ranks start. Torch-free.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -36,7 +37,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from litegen.checkpoint.layout import LATEST, METRICS, STEP_DIR_GLOB, final_weights_glob, step_of
+from litegen.checkpoint.layout import (
+    END_OF_RUN_DIRS,
+    LATEST,
+    METRICS,
+    PROFILE_DIR,
+    RESOLVED_RECIPE,
+    SAMPLES_DIR,
+    STEP_DIR_GLOB,
+    check_file_name,
+    final_weights_glob,
+    step_in_name,
+    step_of,
+)
 from litegen.checkpoint.step_dirs import newer_checkpoints
 
 try:
@@ -125,6 +138,10 @@ def claim_run_folder(
         ...     notes  # nothing was there to move aside
         []
     """
+    try:
+        check_file_name(config.exp_name, "exp_name")
+    except ValueError as err:
+        raise RunFolderError("Invalid run name", [str(err)]) from None
     if node_rank != 0:
         yield []
         return
@@ -178,8 +195,10 @@ def _aside_name(folder: Path) -> Path:
 
 
 def _keep_newer_steps(config: Any, resumes: Path, move: bool) -> list[str]:
-    """Refuse a resume that would replace newer checkpoints, or move them (and the final weights
-    and a copy of metrics.jsonl, whose later records the resumed run drops) aside."""
+    """Refuse a resume that would replace newer checkpoints, or move them aside with every
+    output of the newer run the continued one would write again (:func:`_newer_outputs`), and
+    copies of what it rewrites in place (metrics.jsonl, whose later records it drops,
+    ``latest`` and the resolved recipe)."""
     checkpoints = Path(config.get_checkpoint_dir()).absolute()
     step = step_of(resumes)
     newer = newer_checkpoints(checkpoints, step) if step is not None else []
@@ -192,21 +211,54 @@ def _keep_newer_steps(config: Any, resumes: Path, move: bool) -> list[str]:
                 "Continuing from an older step there would replace them. Either",
                 f"  branch into a new folder:   litegen resume --from {resumes} "
                 "--branch <new folder>",
-                "  or move the newer aside:    add --move-newer-aside (they move to "
-                f"{checkpoints.name}.old-<time>/ beside it, nothing is deleted)",
+                "  or move the newer aside:    add --move-newer-aside (they and the newer "
+                f"run's outputs move to {checkpoints.name}.old-<time>/ beside it, nothing is "
+                "deleted)",
             ],
         )
     if not newer:
         return []
     aside = _aside_name(checkpoints)
     aside.mkdir()
-    weights = checkpoints.glob(final_weights_glob(config.exp_name))
-    for path in [*newer, *weights]:
-        os.rename(path, aside / path.name)
-    metrics = Path(config.get_results_dir()).absolute() / METRICS
-    if metrics.is_file():
-        shutil.copy2(metrics, aside / metrics.name)
-    return [f"Moved {names} (newer than {resumes.name}) aside to {aside}."]
+    moved = []
+    for folder, path in _newer_outputs(config, step):
+        target = aside / path.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, target)  # into the fresh aside folder: nothing is overwritten
+        moved.append(path.relative_to(folder).as_posix())
+    # What the continued run rewrites in place: a copy keeps the newer run's version.
+    results = Path(config.get_results_dir()).absolute()
+    for path in (results / METRICS, checkpoints / LATEST, results / RESOLVED_RECIPE):
+        if path.is_file() and not (aside / path.name).exists():
+            shutil.copy2(path, aside / path.name)
+    others = sorted(set(moved) - {path.name for path in newer})
+    with_them = f" With them: {', '.join(others)}." if others else ""
+    return [f"Moved {names} (newer than {resumes.name}) aside to {aside}.{with_them}"]
+
+
+def _newer_outputs(config: Any, step: int) -> list[tuple[Path, Path]]:
+    """``(folder, path)`` of everything a run continued from ``step`` would write again: the
+    newer step folders, the files of save_model and its kin (``<exp_name>*``, adapters and
+    peft folders included) but those of earlier steps, the samples of later steps, the
+    profile and the folders written at the end of a run."""
+    checkpoints = Path(config.get_checkpoint_dir()).absolute()
+    results = Path(config.get_results_dir()).absolute()
+    exp_name = config.exp_name
+    found = [(checkpoints, path) for path in newer_checkpoints(checkpoints, step)]
+    for path in sorted(checkpoints.glob(f"{glob.escape(exp_name)}*")):
+        saved = step_in_name(path.name, exp_name)
+        if saved is None or saved > step:
+            found.append((checkpoints, path))
+    samples = results / SAMPLES_DIR
+    if samples.is_dir():
+        found += [(results, p) for p in sorted(samples.iterdir()) if (step_of(p) or 0) > step]
+    for name in (PROFILE_DIR, *END_OF_RUN_DIRS):
+        if (results / name).exists():
+            found.append((results, results / name))
+    # A path inside another found one moves with it.
+    paths = {path for _, path in found}
+    unique = dict.fromkeys(found)  # an exp_name such as "lora" finds a folder twice
+    return [(f, p) for f, p in unique if not any(parent in paths for parent in p.parents)]
 
 
 def _in_use(folder: Path, holder: LockHolder) -> RunFolderError:

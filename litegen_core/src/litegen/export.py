@@ -182,6 +182,8 @@ def checkpoint_weights(
     """
     import torch.distributed.checkpoint as dcp
 
+    from litegen.checkpoint.dcp_reader import CheckedReader
+
     saved = read_metadata(Path(model_dir)).state_dict_metadata
     wanted = {f"model.{k}" for k in module.state_dict()}
     if ema:
@@ -202,7 +204,7 @@ def checkpoint_weights(
     }
     with warnings.catch_warnings():  # DCP warns that it loads in one process: it is meant to
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(buffers, checkpoint_id=str(model_dir), no_dist=True)
+        dcp.load(buffers, storage_reader=CheckedReader(model_dir), no_dist=True)
     state = {key[len("model.") :]: t for key, t in buffers.items() if key.startswith("model.")}
     if ema:
         state.update({key[len("ema.") :]: t for key, t in buffers.items() if key[:4] == "ema."})
@@ -281,5 +283,8 @@ def export_checkpoint(
 
 
 def export_name(exp_name: str, ema: bool) -> str:
-    """The file stem of a LoRA export: ``<exp_name>`` or ``<exp_name>.ema``."""
-    return f"{exp_name}{'.ema' if ema else ''}"
+    """The file stem of a LoRA export: ``<exp_name>`` or ``<exp_name>.ema``; ValueError when
+    ``exp_name`` cannot name a file (a separator would write outside the export folder)."""
+    from litegen.checkpoint.layout import check_file_name
+
+    return f"{check_file_name(exp_name, 'exp_name')}{'.ema' if ema else ''}"

@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import sys
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -312,6 +314,7 @@ def save_peft_folder(model: nn.Module, state: Mapping[str, torch.Tensor], folder
         >>> sorted(p.name for p in save_peft_folder(dit, dit.state_dict(), Path("run.peft")).iterdir())
         ['adapter_config.json', 'adapter_model.safetensors']
     """
+    from litegen.checkpoint.atomic import atomic_write_text, replace_dir
     from litegen.checkpoint.files import save_state
 
     adapter = _adapter_name(model)
@@ -322,14 +325,23 @@ def save_peft_folder(model: nn.Module, state: Mapping[str, torch.Tensor], folder
             "folder needs one: apply them with optimization.lora, add_adapter or get_peft_model."
         )
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        f"{_PEFT_MODEL_PREFIX}{key}": state[name] for key, name in _exported_names(model).items()
-    }
-    save_state(tensors, folder / PEFT_WEIGHTS_NAME, {"format": "pt"})
-    fields = {k: _json_safe(v) for k, v in config.to_dict().items()}
-    (folder / PEFT_CONFIG_NAME).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-    return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: the folder appears with both files or not at
+    # all (an older one stays until the new one is complete).
+    partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
+    partial.mkdir()
+    try:
+        tensors = {
+            f"{_PEFT_MODEL_PREFIX}{key}": state[name]
+            for key, name in _exported_names(model).items()
+        }
+        save_state(tensors, partial / PEFT_WEIGHTS_NAME, {"format": "pt"})
+        fields = {k: _json_safe(v) for k, v in config.to_dict().items()}
+        text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+        atomic_write_text(partial / PEFT_CONFIG_NAME, text)
+        return replace_dir(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _json_safe(value: Any) -> Any:

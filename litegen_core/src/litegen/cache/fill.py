@@ -21,6 +21,7 @@ def fill_cache(
     batch_size: int = 1,
     rank: int | None = None,
     world_size: int | None = None,
+    verify: bool = False,
 ) -> int:
     """Encode every sample of ``dataset`` the cache lacks; return how many this rank encoded.
 
@@ -34,6 +35,9 @@ def fill_cache(
             tensors per sample or one dict of tensors batched along dim 0.
         keys: the cache key of each sample, aligned with the dataset (default: its index).
         batch_size: samples per ``encode_fn`` call.
+        verify: read back every entry this rank would skip and check it against its
+            checksums (:meth:`TensorCache.verify`): a damaged one is encoded again. Reads the
+            whole share of the cache once; ``litegen cache build`` always does.
 
     Example:
         >>> import torch
@@ -65,6 +69,8 @@ def fill_cache(
     encoded = 0
     for start in range(0, len(mine), batch_size):
         indices = list(mine[start : start + batch_size])
+        if verify:  # damaged entries leave the index here, so they land in todo
+            cache.verify([_key_of(keys, i) for i in indices if _key_of(keys, i) in cache])
         todo = [i for i in indices if _key_of(keys, i) not in cache]
         if todo:
             cache.refresh()  # a previous or concurrent run may have stored them

@@ -13,6 +13,7 @@ file, fsync, ``os.replace``), so a crash leaves at most a stray temporary file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -36,6 +37,10 @@ READ_ERRORS = (OSError, ValueError, RuntimeError, KeyError, safetensors.Safetens
 
 class CorruptShardError(Exception):
     """A shard's bytes do not match its index (truncated, overwritten or flipped)."""
+
+
+# Errors that mean the shard's bytes are wrong for sure (not a passing I/O failure).
+DAMAGE_ERRORS = (CorruptShardError, safetensors.SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -158,8 +163,17 @@ def read_entry(handle, entry: Entry) -> dict[str, torch.Tensor]:
 def warn_corrupt(directory: Path, name: str, why: str) -> None:
     warnings.warn(
         f"tensor cache shard {directory / name}{DATA_SUFFIX} is damaged ({why}); its entries "
-        "are treated as misses and rebuilt. Delete the shard's .safetensors/.json files to "
-        "silence this warning.",
+        "are treated as misses. `litegen cache build` with the run's recipe re-encodes them "
+        "and moves the damaged shard aside.",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+def move_aside(directory: Path, name: str) -> None:
+    """Rename a damaged shard's files to ``.<name>.<suffix>.damaged``: no reader lists them any
+    more, and their bytes stay for a look (delete them when done)."""
+    for suffix in (INDEX_SUFFIX, DATA_SUFFIX):  # the index first: it marks the shard complete
+        path = directory / (name + suffix)
+        with contextlib.suppress(FileNotFoundError):  # another rank moved it first
+            os.replace(path, directory / f".{path.name}.damaged")

@@ -96,6 +96,8 @@ class TensorCache:
         self._index: dict[str, list[Entry]] = {}  # key -> entries, preferred first
         self._shard_bytes: dict[str, int] = {}  # valid shards -> data file bytes
         self._seen: set[str] = set()  # shards whose index was read (valid or not)
+        self.damaged: set[str] = set()  # shards found damaged, by name
+        self._moved: set[str] = set()  # ... and moved aside by verify
         self._handles: dict[str, object] = {}
         self._pending: dict[str, Tensors] = {}
         self._pending_bytes = 0
@@ -112,6 +114,7 @@ class TensorCache:
             index = shards.read_index(self.directory, name)
             if index is None:
                 self.stats.corrupt_shards += 1
+                self.damaged.add(name)
                 continue
             self._shard_bytes[name] = index.nbytes
             for key, entry in index.entries.items():
@@ -125,6 +128,30 @@ class TensorCache:
         else:
             self.stats.hits += 1
         return tensors
+
+    def verify(self, keys: Sequence[Hashable]) -> list[str]:
+        """Read back the stored entries of ``keys`` and check every tensor against its
+        checksum (every byte is read); return the keys whose entries were all damaged.
+
+        A shard whose bytes do not match its index is moved aside (``.<name>.*.damaged``), so
+        its entries are misses here and in every later process, until they are stored again.
+        ``__contains__`` trusts the index alone; ``verify`` is what ``litegen cache build``
+        counts hits with.
+
+        Example:
+            >>> cache = TensorCache("cache", "enc-1")
+            >>> _ = cache.put(0, {"z": torch.ones(2)}); cache.flush()
+            >>> cache.verify([0, 1])  # 1 was never stored: not damaged, just missing
+            []
+        """
+        for name in self.damaged - self._moved:  # unreadable index: no entry of it is served
+            shards.move_aside(self.directory, name)
+            self._moved.add(name)
+        damaged = []
+        for name in dict.fromkeys(_key(k) for k in keys):
+            if self._index.get(name) and self._lookup(name, move_aside=True) is None:
+                damaged.append(name)
+        return damaged
 
     def __contains__(self, key: Hashable) -> bool:
         key = _key(key)
@@ -243,7 +270,9 @@ class TensorCache:
         # copy=True: later edits to the caller's tensor must not change the cached one.
         return tensor.detach().to("cpu", dtype=dtype, copy=True).contiguous()
 
-    def _lookup(self, key: str) -> Tensors | None:
+    def _lookup(self, key: str, *, move_aside: bool = False) -> Tensors | None:
+        """The first intact entry of ``key``; damaged shards met on the way are dropped (and
+        with ``move_aside``, when their bytes disagree with their index, moved aside)."""
         if key in self._pending:
             return self._pending[key]
         for entry in list(self._index.get(key, ())):
@@ -256,6 +285,9 @@ class TensorCache:
                 tensors = shards.read_entry(handle, entry)
             except (CorruptShardError, *shards.READ_ERRORS) as err:
                 self._drop_shard(entry.shard, str(err))
+                if move_aside and isinstance(err, shards.DAMAGE_ERRORS):
+                    shards.move_aside(self.directory, entry.shard)
+                    self._moved.add(entry.shard)
                 continue
             self.stats.bytes_read += sum(t.nbytes for t in tensors.values())
             return tensors
@@ -265,6 +297,7 @@ class TensorCache:
         """Forget a damaged shard so none of its entries is served again in this process."""
         shards.warn_corrupt(self.directory, name, why)
         self.stats.corrupt_shards += 1
+        self.damaged.add(name)
         self._handles.pop(name, None)
         self._shard_bytes.pop(name, None)
         for entries in self._index.values():

@@ -1,5 +1,5 @@
 """Everything checkpoints: the names of a run's files (``layout``, torch-free), the formats a
-state lies on disk in (``formats``: the table; ``files``: torch.save and safetensors;
+state lies on disk in (``atomic``: complete-or-absent writes, torch-free; ``formats``: the table; ``files``: torch.save and safetensors;
 ``zero_state``: ZeRO's sharded optimizer files; ``interop``: diffusers folders), run checkpoint
 folders (``run_state`` writes them, ``run_load`` loads them, ``step_dirs`` finds and checks
 them, ``manifest`` verifies their files) and the checkpoint half of the LiteGen object (``api``).
@@ -20,13 +20,13 @@ from typing import Any
 
 # public name -> the module that declares it
 _HOMES = {
-    "atomic_write": "files",
-    "atomic_write_text": "files",
+    "atomic_write": "atomic",
+    "atomic_write_text": "atomic",
     "check_model_state": "files",
     "checkpoint_path": "files",
     "load_state": "files",
     "optimizer_path_for": "files",
-    "replace_dir": "files",
+    "replace_dir": "atomic",
     "save_state": "files",
     "step_dir_name": "layout",
     "capture_rng": "rng",

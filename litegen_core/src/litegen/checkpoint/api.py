@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint.files import (
-    check_model_state,
-    checkpoint_path,
-    replace_dir,
-    save_state,
-)
+from litegen.checkpoint.atomic import replace_dir
+from litegen.checkpoint.files import check_model_state, checkpoint_path, save_state
 from litegen.checkpoint.interop import (
     is_plain_optimizer_state,
     load_model_source,
@@ -32,7 +29,7 @@ from litegen.checkpoint.interop import (
     optimizer_file_for,
     write_diffusers_folder,
 )
-from litegen.checkpoint.layout import DCP_METADATA
+from litegen.checkpoint.layout import DCP_METADATA, DIFFUSERS_DIR, check_file_name
 from litegen.checkpoint.trainable import Trainable
 from litegen.ema import persistent_buffers
 from litegen.lora import (
@@ -239,7 +236,7 @@ class CheckpointAPI:
             state = self.ema.state_dict()
         else:
             state = entry.strategy.full_model_state(entry.module, trainable_only=True)
-        name = f"{self.config.exp_name}{'.ema' if ema else ''}.peft"
+        name = f"{check_file_name(self.config.exp_name, 'exp_name')}{'.ema' if ema else ''}.peft"
         folder = Path(output_folder or Path(self.config.get_checkpoint_dir()) / name)
         if self.is_main_process:
             save_peft_folder(entry.strategy.unwrap(entry.module), state, folder)
@@ -286,6 +283,8 @@ class CheckpointAPI:
         if has_adapters(entry.module) and is_adapter_file(state):
             module = entry.strategy.unwrap(entry.module)
             adapters = model_keyed(module, state, self.lora_prefix, path)
+            # An adapter file of another rank has the right keys at other shapes.
+            check_adapter_shapes(entry.strategy.dcp_state(entry.module)["model"], adapters, path)
             entry.strategy.load_full_model_state(entry.module, adapters, strict=False)
             return
         # The strategy's sharded state has every key at its global shape; the unwrapped module's
@@ -302,10 +301,12 @@ class CheckpointAPI:
         """Full EMA weights (``ema.resume_from``), keyed like the unwrapped model."""
         state = load_model_source(path, what="ema.resume_from")
         model = entry.strategy.unwrap(entry.module)
-        if has_adapters(model) and is_adapter_file(state):
-            self.ema.load_state_dict(model_keyed(model, state, self.lora_prefix, path))
-            return
         expected = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
+        if has_adapters(model) and is_adapter_file(state):
+            adapters = model_keyed(model, state, self.lora_prefix, path)
+            check_adapter_shapes(expected, adapters, path)
+            self.ema.load_state_dict(adapters)
+            return
         check_model_state(expected, state, path)
         self.ema.load_state_dict(state)
 
@@ -376,7 +377,7 @@ class CheckpointAPI:
                 "pass ema=False to export the model's own weights."
             )
         state = self.full_ema_state() if use_ema else self.full_model_state(model)
-        folder = Path(output_folder or Path(self.config.get_results_dir()) / "diffusers")
+        folder = Path(output_folder or Path(self.config.get_results_dir()) / DIFFUSERS_DIR)
         if self.is_main_process:
             partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
             write_diffusers_folder(entry.strategy.unwrap(entry.module), state, partial)
@@ -384,3 +385,18 @@ class CheckpointAPI:
             log.info("saved %s (%s weights)", folder, "EMA" if use_ema else "model")
         dist.barrier()
         return folder
+
+
+def check_adapter_shapes(
+    expected: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], path: str | Path
+) -> None:
+    """``adapters`` (an adapter file keyed like the model) at the shapes of the model's own
+    adapters; a ValueError naming the file and each differing shape otherwise (a file saved
+    with another ``optimization.lora.rank``)."""
+    try:
+        check_model_state({k: v for k, v in expected.items() if k in adapters}, adapters, path)
+    except ValueError as err:
+        raise ValueError(
+            f"{err} An adapter file of another optimization.lora.rank (or target_modules) "
+            "cannot be loaded; set the rank it was saved with, or start the adapters afresh."
+        ) from None

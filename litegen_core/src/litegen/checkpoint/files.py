@@ -1,19 +1,16 @@
 """Single-file checkpoints: names, atomic writes, the torch.save and safetensors formats, and
 loads that say what is wrong.
 
-Every file is written to a temporary name in the target folder, flushed to disk and renamed
-into place, so a crash mid-write never leaves a half-written checkpoint under the real name.
+Every file is written through :func:`litegen.checkpoint.atomic.atomic_write` (a temporary
+name in the target folder, flushed and renamed into place), so a crash mid-write never leaves a
+half-written checkpoint under the real name.
 :func:`load_state` and :func:`save_state` go through the table of formats
 (:mod:`litegen.checkpoint.formats`).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import shutil
-import tempfile
-import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+# The atomic writers are declared in the torch-free ``atomic``; older imports reach them here.
+from litegen.checkpoint.atomic import atomic_write as atomic_write
+from litegen.checkpoint.atomic import atomic_write_text as atomic_write_text
+from litegen.checkpoint.atomic import replace_dir as replace_dir
 from litegen.checkpoint.formats import (
     Holding,
     StateFormat,
@@ -30,7 +31,7 @@ from litegen.checkpoint.formats import (
     format_of,
     weight_suffixes,
 )
-from litegen.checkpoint.layout import KIND_SUFFIXES, Kind
+from litegen.checkpoint.layout import KIND_SUFFIXES, Kind, check_file_name
 
 
 def checkpoint_path(
@@ -50,7 +51,8 @@ def checkpoint_path(
     """
     folder = Path(output_folder or default_folder)
     if filename:
-        return folder / filename
+        return folder / check_file_name(filename, "filename")
+    check_file_name(exp_name, "exp_name")
     prefix = exp_name if step is None else f"{exp_name}_step{step}"
     return folder / f"{prefix}{KIND_SUFFIXES[kind]}"
 
@@ -63,50 +65,6 @@ def optimizer_path_for(model_path: str | Path) -> Path:
     for suffix in (*weight_suffixes(), ".lora"):
         stem = stem.removesuffix(suffix)
     return path.with_name(stem + KIND_SUFFIXES["optimizer"])
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_path)``, fsync, then rename onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_write`."""
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-def replace_dir(tmp: str | Path, final: str | Path) -> Path:
-    """Rename a finished folder onto ``final``; an older ``final`` steps aside, then goes.
-
-    A crash between the two renames leaves the old folder under ``.<name>.old-*``, never a
-    half-written one under ``final``.
-    """
-    tmp, final = Path(tmp), Path(final)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return final
 
 
 class TorchFile(StateFormat):

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from litegen.checkpoint.atomic import atomic_write, atomic_write_text
 from litegen.checkpoint.files import load_state, optimizer_path_for
 from litegen.checkpoint.formats import StateFormat
 
@@ -227,11 +228,11 @@ def write_diffusers_folder(
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    save_file(tensors, str(folder / WEIGHTS[0]), metadata={"format": "pt"})
+    atomic_write(folder / WEIGHTS[0], lambda tmp: save_file(tensors, str(tmp), {"format": "pt"}))
     config = getattr(module, "config", None)
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if isinstance(config, Mapping):
         text = json.dumps(dict(config), indent=2, sort_keys=True, default=str)
-        (folder / "config.json").write_text(text + "\n", encoding="utf-8")
+        atomic_write_text(folder / "config.json", text + "\n")
     return folder

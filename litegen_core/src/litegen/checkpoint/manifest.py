@@ -25,11 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from litegen.checkpoint.atomic import atomic_write_text
 from litegen.checkpoint.layout import COMPLETE, MANIFEST
 
 FORMAT = "litegen.run_checkpoint.manifest"
@@ -67,16 +67,7 @@ def write_manifest(folder: Path) -> Path:
         path = folder / name
         files[name] = {"size": path.stat().st_size, "digest": file_digest(path)}
     text = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, folder / MANIFEST)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return folder / MANIFEST
+    return atomic_write_text(folder / MANIFEST, text + "\n")
 
 
 def is_json(path: Path) -> bool:

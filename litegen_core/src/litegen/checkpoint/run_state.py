@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from litegen.checkpoint.files import atomic_write, atomic_write_text, replace_dir
+from litegen.checkpoint.atomic import atomic_write, atomic_write_text, replace_dir
 from litegen.checkpoint.layout import (
     COMPLETE,
     LATEST,

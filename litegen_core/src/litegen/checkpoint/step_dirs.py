@@ -124,12 +124,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_metadata(model_dir: Path) -> Any:
-    """DCP's ``.metadata`` of one model folder; ValueError naming the file when unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """DCP's ``.metadata`` of one model folder, built from DCP's metadata classes alone (a
+    crafted file never runs code); ValueError naming the file when unreadable or refused."""
+    from litegen.checkpoint.dcp_reader import read_dcp_metadata
 
     try:
-        return FileSystemReader(str(model_dir)).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as err:
+        return read_dcp_metadata(model_dir / DCP_METADATA)
+    except ValueError as err:
+        raise ValueError(f"run checkpoint {model_dir.parent} is refused: {err}") from err
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as err:
         raise ValueError(
             f"run checkpoint {model_dir.parent} is corrupt: {model_dir / DCP_METADATA} cannot be "
             f"read ({type(err).__name__}: {err})."

@@ -52,6 +52,8 @@ class Trainable:
         """
         import torch.distributed.checkpoint as dcp
 
+        from litegen.checkpoint.dcp_reader import CheckedLoadPlanner, CheckedReader
+
         state = self.dcp_state()
         # FSDP1 chunks each parameter on dim 0, so a rank past that dim's size (Wan's
         # (1, 6, dim) scale_shift_table on rank 1) holds a ShardedTensor with no local shard.
@@ -59,8 +61,9 @@ class Trainable:
         # the checkpoint keys it no longer sees as a pre-2.4 layout and asks for keys never
         # written. LiteGen never nests ShardedTensors (that is FSDP1 with tensor parallelism),
         # so the flattening is off.
-        planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
-        dcp.load(state, checkpoint_id=str(checkpoint_id), planner=planner)
+        # The checked reader and planner unpickle nothing but DCP's metadata and plain values.
+        planner = CheckedLoadPlanner(flatten_sharded_tensors=False)
+        dcp.load(state, storage_reader=CheckedReader(checkpoint_id), planner=planner)
         self.load_dcp_state(state)
 
     def model_shapes(self) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from litegen.checkpoint.files import atomic_write_text, load_state, save_state
+from litegen.checkpoint.atomic import atomic_write_text
+from litegen.checkpoint.files import load_state, save_state
 from litegen.checkpoint.formats import StateFormat
 from litegen.checkpoint.manifest import is_json, read_manifest
 

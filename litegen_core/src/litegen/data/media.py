@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from litegen.data.media_buckets import Bucket, MediaBuckets
-from litegen.data.media_files import OnBad, scan_media
+from litegen.data.media_files import MAX_CAPTION_BYTES, OnBad, scan_media
 
 log = logging.getLogger("litegen")
 
@@ -52,10 +52,13 @@ class MediaDataset(Dataset):
         buckets: MediaBuckets | None = None,
         recursive: bool = True,
         on_bad: OnBad = "skip",
+        max_caption_bytes: int = MAX_CAPTION_BYTES,
     ) -> None:
         self.root = Path(root)
         self.buckets = buckets or MediaBuckets()
-        self.files, self.bad = scan_media(self.root, recursive=recursive, on_bad=on_bad)
+        self.files, self.bad = scan_media(
+            self.root, recursive=recursive, on_bad=on_bad, max_caption_bytes=max_caption_bytes
+        )
         self.keys: list[Bucket] = [self.buckets.bucket(file) for file in self.files]
         sizes = ", ".join(f"{k}: {n}" for k, n in sorted(Counter(self.keys).items()))
         log.info("media folder %s: buckets (frames, height, width): %s", self.root, sizes)

@@ -4,8 +4,9 @@
 reads its size (and frame count) without decoding it whole. Captions come from a
 ``metadata.jsonl`` or ``metadata.csv`` at the folder's root (a file column and a caption
 column), else from a ``.txt`` file of the same name next to the media file. A file that cannot
-be used (corrupt, empty, unreadable, no caption, or a caption file without media) is a
-:class:`BadFile` with its path and the reason; ``on_bad="skip"`` leaves it out and logs the
+be used (corrupt, empty, unreadable, no caption, a caption over ``max_caption_bytes``, a name
+that is not valid UTF-8, or a caption file without media) is a :class:`BadFile` with its path
+and the reason; ``on_bad="skip"`` leaves it out and logs the
 count, ``on_bad="error"`` refuses the folder with every bad file listed.
 
 Pillow reads images; PyAV (``pip install 'litegen-core[media]'``) reads videos, imported only
@@ -18,6 +19,7 @@ import csv
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +30,9 @@ VIDEO_SUFFIXES = frozenset({".mp4", ".mov", ".webm", ".mkv", ".avi"})
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 FILE_COLUMNS = ("file_name", "file", "path", "video", "image")
 CAPTION_COLUMNS = ("caption", "text", "prompt")
+# A caption is a prompt the text encoder reads a few hundred tokens of; a bound keeps a stray
+# huge file from exhausting the host's memory in the tokenizer.
+MAX_CAPTION_BYTES = 1 << 20
 
 OnBad = Literal["skip", "error"]
 
@@ -52,13 +57,36 @@ class BadFile:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        return f"{printable(self.path)}: {self.reason}"
+
+
+def printable(path: Path) -> str:
+    """``path`` as text that prints anywhere: bytes of a name that is not valid UTF-8 show as
+    ``\\xNN`` escapes.
+
+    >>> printable(Path(os.fsdecode(b"caf\\xe9.png")))
+    'caf\\\\xe9.png'
+    """
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
+
+
+def _utf8_name(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def scan_media(
-    root: str | Path, *, recursive: bool = True, on_bad: OnBad = "skip"
+    root: str | Path,
+    *,
+    recursive: bool = True,
+    on_bad: OnBad = "skip",
+    max_caption_bytes: int = MAX_CAPTION_BYTES,
 ) -> tuple[list[MediaFile], list[BadFile]]:
-    """The usable media files under ``root`` (sorted by path) and the bad ones.
+    """The usable media files under ``root`` (sorted by path) and the bad ones. A caption
+    longer than ``max_caption_bytes`` (UTF-8) makes its file bad, unread.
 
     Example::
 
@@ -69,11 +97,21 @@ def scan_media(
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
     root = Path(root)
     paths, media = _listing(root, recursive)
-    captions, bad = _captions(root, paths, media)
+    # Names that are not UTF-8 cannot go into the cache keys or most logs: named, left out.
+    bad = [
+        BadFile(path, "its name is not valid UTF-8: rename it (e.g. convmv -f latin1 -t utf8)")
+        for path in media
+        if not _utf8_name(path)
+    ]
+    captions, bad_captions = _captions(root, paths, media, max_caption_bytes)
+    bad += bad_captions
     files = []
-    for path in media:
+    for path in filter(_utf8_name, media):
         if path not in captions:
             bad.append(BadFile(path, "no caption: add a same-name .txt file or a metadata row"))
+            continue
+        if isinstance(captions[path], BadFile):
+            bad.append(captions[path])
             continue
         probed = _probe(path, captions[path])
         (files if isinstance(probed, MediaFile) else bad).append(probed)
@@ -128,12 +166,13 @@ def _listing(root: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
 
 
 def _captions(
-    root: Path, paths: list[Path], media: list[Path]
-) -> tuple[dict[Path, str], list[BadFile]]:
-    """Captions by media path, from the metadata file if there is one, else from .txt files."""
+    root: Path, paths: list[Path], media: list[Path], max_bytes: int
+) -> tuple[dict[Path, str | BadFile], list[BadFile]]:
+    """Captions by media path, from the metadata file if there is one, else from .txt files;
+    a caption over ``max_bytes`` is the :class:`BadFile` of its media file instead."""
     metadata = [root / name for name in METADATA_FILES if (root / name).is_file()]
     if metadata:
-        return _metadata_captions(metadata[0], set(media))
+        return _metadata_captions(metadata[0], set(media), max_bytes)
     media_stems = {p.with_suffix("") for p in media}
     captions, bad = {}, []
     for path in paths:
@@ -143,19 +182,38 @@ def _captions(
             bad.append(BadFile(path, "caption file without a media file of the same name"))
     for path in media:
         text_file = path.with_suffix(".txt")
-        if text_file.is_file():
-            try:
-                text = text_file.read_bytes().decode("utf-8").strip()
-            except UnicodeDecodeError as error:  # would train on replacement characters
-                bad.append(BadFile(text_file, f"caption is not valid UTF-8 ({error.reason} at "
-                                              f"byte {error.start}): save it as UTF-8"))  # fmt: skip
-                continue
-            if text:
-                captions[path] = text
+        if not text_file.is_file():
+            continue
+        size = text_file.stat().st_size
+        if size > max_bytes:  # checked before reading: the file may be any size
+            captions[path] = BadFile(
+                path, _too_long(f"its caption file {text_file.name}", size, max_bytes)
+            )
+            continue
+        try:
+            text = text_file.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError as error:  # would train on replacement characters
+            captions[path] = BadFile(
+                path,
+                f"its caption file {text_file.name} is not valid UTF-8 ({error.reason} at "
+                f"byte {error.start}): save it as UTF-8",
+            )
+            continue
+        if text:
+            captions[path] = text
     return captions, bad
 
 
-def _metadata_captions(metadata: Path, media: set[Path]) -> tuple[dict[Path, str], list[BadFile]]:
+def _too_long(what: str, size: int, limit: int) -> str:
+    return (
+        f"{what} has {size} bytes, over the caption limit of {limit} bytes: shorten it (a text "
+        "encoder reads a few hundred tokens), or raise max_caption_bytes"
+    )
+
+
+def _metadata_captions(
+    metadata: Path, media: set[Path], max_bytes: int
+) -> tuple[dict[Path, str | BadFile], list[BadFile]]:
     rows = _read_rows(metadata)
     columns = set().union(*(row.keys() for row in rows)) if rows else set()
     file_column = next((c for c in FILE_COLUMNS if c in columns), None)
@@ -171,6 +229,11 @@ def _metadata_captions(metadata: Path, media: set[Path]) -> tuple[dict[Path, str
         caption = str(row.get(caption_column) or "").strip()
         if path not in media:
             bad.append(BadFile(metadata, f"row {number} names {path.name!r}, not a media file"))
+        elif len(caption.encode("utf-8", errors="surrogatepass")) > max_bytes:
+            size = len(caption.encode("utf-8", errors="surrogatepass"))
+            captions[path] = BadFile(
+                path, _too_long(f"its caption ({metadata.name} row {number})", size, max_bytes)
+            )
         elif caption:
             captions[path] = caption
     return captions, bad

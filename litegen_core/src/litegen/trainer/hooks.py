@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from litegen.checkpoint.layout import SAMPLES_DIR
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.runtime.litegen import LiteGen
 from litegen.trainer.media import MEDIA_SUFFIXES, save_samples
@@ -100,7 +101,7 @@ class TrainingHooks:
         self.parts = {**parts, "gen": gen, "config": gen.config}
         self.sample_fn, self.validate_fn = sample_fn, validate_fn
         self.sample_every, self.validate_every = cfg.sample_every, cfg.validate_every
-        self.samples_dir = Path(gen.config.get_results_dir()) / "samples"
+        self.samples_dir = Path(gen.config.get_results_dir()) / SAMPLES_DIR
         self.models = [m.module for m in gen.models if m.trainable]
         # Whole models on every rank (ddp, zero1, zero2): one rank can sample alone.
         sharded = gen.plan.sp_size > 1 or any(

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from litegen.checkpoint.atomic import atomic_write
 from litegen.loggers.conventions import FRAMES_PER_SECOND, GIF_FRAME_MS, MEDIA_SUFFIXES
 
 MP4_CODEC = "libx264"  # H.264: what browsers (W&B) play
@@ -32,21 +33,29 @@ def save_samples(samples: Any, out_dir: Path) -> list[Path]:
     batch = _as_batch(samples)
     from PIL import Image  # Pillow: only runs that save samples need it
 
+    # Each file is written under a temporary name and renamed (the temporary name hides the
+    # suffix, so the format is named), so a failure midway never leaves a truncated sample.
     out_dir.mkdir(parents=True, exist_ok=True)
     if batch.dim() == 4:
-        path = out_dir / "samples.png"
-        Image.fromarray(_grid(batch)).save(path)
-        return [path]
+        grid = Image.fromarray(_grid(batch))
+        return [atomic_write(out_dir / "samples.png", lambda tmp: grid.save(tmp, format="PNG"))]
     # (N, C, T, H, W): one grid per frame.
     grids = [_grid(batch[:, :, t]) for t in range(batch.shape[2])]
     if mp4_available():
-        path = out_dir / "samples.mp4"
-        _write_mp4(grids, path)
-        return [path]
+        return [atomic_write(out_dir / "samples.mp4", lambda tmp: _write_mp4(grids, tmp))]
     frames = [Image.fromarray(grid) for grid in grids]
-    path = out_dir / "samples.gif"
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
-    return [path]
+
+    def write_gif(tmp: Path) -> None:
+        frames[0].save(
+            tmp,
+            format="GIF",
+            save_all=True,
+            append_images=frames[1:],
+            duration=GIF_FRAME_MS,
+            loop=0,
+        )
+
+    return [atomic_write(out_dir / "samples.gif", write_gif)]
 
 
 def mp4_available() -> bool:
@@ -65,7 +74,7 @@ def _write_mp4(grids: list[np.ndarray], path: Path) -> None:
 
     height, width = grids[0].shape[:2]
     even = (height + height % 2, width + width % 2)  # yuv420p halves both sides
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", format="mp4") as container:
         stream = container.add_stream(MP4_CODEC, rate=FRAMES_PER_SECOND)
         stream.height, stream.width = even
         stream.pix_fmt = "yuv420p"

@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from litegen.checkpoint.files import atomic_write_text
+from litegen.checkpoint.atomic import atomic_write_text
 from litegen.checkpoint.layout import METRICS
 from litegen.config.training import WandbConfig
 from litegen.loggers import Sink, open_sinks

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from litegen.checkpoint.layout import PROFILE_DIR
 from litegen.config.training import ProfileConfig
 
 log = logging.getLogger("litegen")
@@ -61,7 +62,7 @@ class StepProfiler:
 
     def __init__(self, cfg: ProfileConfig, results_dir: Path, device: torch.device, rank: int):
         self.first, self.last = cfg.start, cfg.start + cfg.steps - 1
-        self.folder = Path(results_dir) / "profile"
+        self.folder = Path(results_dir) / PROFILE_DIR
         self.device, self.rank = device, rank
         self.cuda = device.type == "cuda"
         self._profile: profile | None = None
