@@ -331,25 +331,46 @@ def shape_key(args: argparse.Namespace, shape) -> str:
     return f"{args.family}{flux} {'x'.join(map(str, shape))} rank {args.rank} {args.recipe.name}"
 
 
-def table(args: argparse.Namespace, key: str) -> str:
+def summary(args: argparse.Namespace, key: str) -> dict[str, Any]:
+    """Every run of this shape in ``runs.jsonl``, by side: rates, median, peak, ratio."""
     runs = [json.loads(line) for line in (args.work / "runs.jsonl").read_text().splitlines()]
     runs = [r for r in runs if r["shape"] == key]
     by_side: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_side.setdefault(run["side"], []).append(run)
-    median = {s: statistics.median(r["samples_per_s"] for r in rs) for s, rs in by_side.items()}
-    reference = median.get(args.reference)
+    sides = {}
+    for side, side_runs in by_side.items():
+        peaks = [r["peak_gib"] for r in side_runs if r["peak_gib"] is not None]
+        sides[side] = {
+            "samples_per_s": [r["samples_per_s"] for r in side_runs],
+            "median": statistics.median(r["samples_per_s"] for r in side_runs),
+            "peak_gib": max(peaks) if peaks else None,
+        }
+    reference = sides.get(args.reference, {}).get("median")
+    for row in sides.values():
+        row["ratio"] = row["median"] / reference if reference else None
+    last = runs[-1]
+    return {
+        "shape": key,
+        "device": last["device"],
+        "torch": last["torch"],
+        "reference": args.reference,
+        "sides": sides,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The summary as the table printed last."""
     lines = [
-        f"{key}; {runs[-1]['device']}, torch {runs[-1]['torch']}",
+        f"{result['shape']}; {result['device']}, torch {result['torch']}",
         f"{'side':<20} {'samples/s (rounds)':<24} {'median':>8} {'peak GiB':>9} {'ratio':>6}",
     ]
-    for side, side_runs in by_side.items():
-        rates = " ".join(f"{r['samples_per_s']:.3f}" for r in side_runs)
-        peaks = [r["peak_gib"] for r in side_runs if r["peak_gib"] is not None]
-        peak = f"{max(peaks):9.1f}" if peaks else f"{'-':>9}"
-        ratio = f"{median[side] / reference:6.3f}" if reference else f"{'-':>6}"
-        lines.append(f"{side:<20} {rates:<24} {median[side]:8.3f} {peak} {ratio}")
-    lines.append(f"ratio: median samples/s over {args.reference}'s")
+    for side, row in result["sides"].items():
+        rates = " ".join(f"{rate:.3f}" for rate in row["samples_per_s"])
+        peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9}"
+        ratio = f"{row['ratio']:6.3f}" if row["ratio"] is not None else f"{'-':>6}"
+        lines.append(f"{side:<20} {rates:<24} {row['median']:8.3f} {peak} {ratio}")
+    lines.append(f"ratio: median samples/s over {result['reference']}'s")
     return "\n".join(lines)
 
 
@@ -383,7 +404,10 @@ def main(argv: list[str] | None = None) -> None:
             with log.open("a") as out:
                 out.write(json.dumps(result) + "\n")
             lap(f"{side}: {result['samples_per_s']:.3f} samples/s, peak {result['peak_gib']}")
-    print(table(args, key))
+    result = summary(args, key)
+    if args.summary is not None:
+        args.summary.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(table(result))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -411,6 +435,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=[*HAND_SIDES, *LAUNCH_SIDES],
     )
     parser.add_argument("--reference", default="hand-compiled")
+    parser.add_argument("--summary", type=Path, help="also write the table as JSON here")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed windows")
     parser.add_argument("--window", type=int, default=10, help="steps per timed window")
