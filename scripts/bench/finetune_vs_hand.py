@@ -109,7 +109,7 @@ def make_pipeline(args: argparse.Namespace, folder: Path) -> None:
     with torch.device(device):
         pipe = wan_pipeline() if args.family == "wan" else flux_pipeline(args)
     pipe.transformer.to(torch.bfloat16)
-    pipe.save_pretrained(str(folder))
+    pipe.to("cpu").save_pretrained(str(folder))
 
 
 def wan_pipeline() -> Any:
