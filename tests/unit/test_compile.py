@@ -255,3 +255,15 @@ def test_blocks_with_lora_adapters_recompile_at_most_twice_over_bucket_shapes():
     # Per input kind (no gradient: the first block; gradient: the others), the static first
     # shape and one dynamic recompile; without dynamic marking, every shape would compile.
     assert frames <= 4, frames
+
+
+@pytest.mark.parametrize(
+    "enabled, device, wanted",
+    [(True, "cpu", True), (False, "cuda", False), ("auto", "cuda", True), ("auto", "cpu", False)],
+)
+def test_auto_compiles_on_cuda_only(enabled, device, wanted):
+    from types import SimpleNamespace
+
+    from litegen.compile import compile_wanted
+
+    assert compile_wanted(SimpleNamespace(enabled=enabled), torch.device(device)) is wanted
