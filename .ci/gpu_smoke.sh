@@ -95,7 +95,8 @@ for strategy in $STRATEGIES; do
         status=$(($? + second))
         note="2 simulated nodes x $half GPU(s)"
     else
-        if [ "$NGPU" -lt 2 ] && [ "$strategy" != ddp ] && [ "$strategy" != fsdp1 ]; then
+        # One GPU: ddp and fsdp2 train unwrapped (their single-rank path), fsdp1 wraps.
+        if [ "$NGPU" -lt 2 ] && [[ " ddp fsdp1 fsdp2 " != *" $strategy "* ]]; then
             record "launch $strategy" SKIP "needs a data-parallel size of at least 2"
             continue
         fi
