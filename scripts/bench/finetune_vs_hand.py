@@ -13,7 +13,9 @@ two rounds): side, samples/s of each round, their median, peak GiB, and the rati
 
 Sides: ``hand`` (eager), ``hand-compiled`` (each block ``torch.compile``'d), ``launch`` (the
 recipe as shipped), ``launch-compiled`` (``optimization.compile.enabled=true``, ``dynamic:
-null``), ``launch-recommended`` (docs/performance.md's fine-tuning settings).
+null``), ``launch-recommended`` (docs/performance.md's fine-tuning settings), ``launch-tuned``
+(those and inductor's ``coordinate_descent_tuning``) and ``launch-tuned-wan`` (and
+``fused_wan_attention``).
 
 On a GPU node without uv, from the repository root (docs in /work/shared/gpu/README.md)::
 
@@ -40,13 +42,22 @@ ROOT = Path(__file__).resolve().parents[2]
 HAND = Path(__file__).resolve().parent / "hand_lora_loop.py"
 
 # Extra overrides of each litegen side (on top of the recipe and the shared ones below).
+_RECOMMENDED = [
+    "optimization.compile.enabled=true",
+    "optimization.compile.dynamic=null",
+    "optimization.optimizer.backend=fused",
+]
 LAUNCH_SIDES: dict[str, list[str]] = {
     "launch": [],
     "launch-compiled": ["optimization.compile.enabled=true", "optimization.compile.dynamic=null"],
-    "launch-recommended": [
-        "optimization.compile.enabled=true",
-        "optimization.compile.dynamic=null",
-        "optimization.optimizer.backend=fused",
+    "launch-recommended": _RECOMMENDED,
+    # Candidates for the recommended settings: tuned Triton launches (longer cold compiles) and,
+    # on Wan, the fused query/key norm and rotary embedding (the adapted projections stay apart).
+    "launch-tuned": [*_RECOMMENDED, "optimization.compile.options.coordinate_descent_tuning=true"],
+    "launch-tuned-wan": [
+        *_RECOMMENDED,
+        "optimization.compile.options.coordinate_descent_tuning=true",
+        "optimization.experimental.fused_wan_attention=true",
     ],
 }
 HAND_SIDES: dict[str, list[str]] = {"hand": [], "hand-compiled": ["--compile"]}
