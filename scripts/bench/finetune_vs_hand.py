@@ -400,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         if log.is_file()
         else 0
     )
+    failed = []
     for round_ in range(args.rounds):
         # Alternate the order, continuing from the runs of earlier calls.
         order = args.sides if (done // len(args.sides) + round_) % 2 == 0 else args.sides[::-1]
@@ -407,18 +408,28 @@ def main(argv: list[str] | None = None) -> None:
             folder = args.work / "runs" / f"{side}-{int(time.time())}"
             shutil.rmtree(folder, ignore_errors=True)
             lap(f"{side}: running (log {folder / 'run.log'})")
-            if side in HAND_SIDES:
-                result = run_hand(args, side, pipeline, shape, folder)
-            else:
-                result = run_launch(args, side, pipeline, media, folder)
+            try:
+                if side in HAND_SIDES:
+                    result = run_hand(args, side, pipeline, shape, folder)
+                else:
+                    result = run_launch(args, side, pipeline, media, folder)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                # The other sides still run and the table still prints; the exit code says.
+                lap(f"{side}: FAILED: {exc}")
+                failed.append(side)
+                continue
             result.update(side=side, shape=key, device=device, torch=torch.__version__)
             with log.open("a") as out:
                 out.write(json.dumps(result) + "\n")
             lap(f"{side}: {result['samples_per_s']:.3f} samples/s, peak {result['peak_gib']}")
-    result = summary(args, key)
-    if args.summary is not None:
-        args.summary.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(table(result))
+    if log.is_file() and any(json.loads(line)["shape"] == key for line in log.open()):
+        result = summary(args, key)
+        if args.summary is not None:
+            args.summary.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(table(result))
+    if failed:
+        print(f"failed: {' '.join(failed)} (their logs are under {args.work / 'runs'})")
+        sys.exit(1)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
