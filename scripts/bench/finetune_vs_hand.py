@@ -321,7 +321,7 @@ def run_launch(args, side: str, pipeline: Path, media: Path, folder: Path) -> di
         str(args.recipe),
         *recipe_overrides(args, pipeline, media),
         *run_overrides(args, results),
-        *LAUNCH_SIDES[side],
+        *args.launch_sides[side],
         *args.launch_override,
     )
     run_logged(command, folder / "run.log", args.timeout)
@@ -454,7 +454,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sides",
         nargs="+",
         default=["hand-compiled", "launch", "launch-compiled"],
-        choices=[*HAND_SIDES, *LAUNCH_SIDES],
+        help=f"of {[*HAND_SIDES, *LAUNCH_SIDES]} and those --side-def defines",
+    )
+    parser.add_argument(
+        "--side-def",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="a launch side of your own: its name and overrides (an ablation, say)",
     )
     parser.add_argument("--reference", default="hand-compiled")
     parser.add_argument("--summary", type=Path, help="also write the table as JSON here")
@@ -473,6 +481,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--launch-override", nargs="*", default=[], help="KEY=VALUE for every launch side"
     )
     args = parser.parse_args(argv)
+    args.launch_sides = {**LAUNCH_SIDES, **{d[0]: d[1:] for d in args.side_def}}
+    unknown = [s for s in args.sides if s not in HAND_SIDES and s not in args.launch_sides]
+    if unknown:
+        parser.error(f"unknown sides {unknown}; define them with --side-def NAME KEY=VALUE ...")
     wan = args.family == "wan"
     if args.recipe is None:
         args.recipe = ROOT / "recipes" / ("finetune_video.yaml" if wan else "finetune_image.yaml")
