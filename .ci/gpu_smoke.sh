@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU CI, run by a maintainer on a GPU node before a release and after every change to a CUDA
-# path (offload, compile, kernels, attention, precision, strategies, memory). Four checks, then
+# path (offload, compile, kernels, attention, precision, strategies, memory). Five checks, then
 # one table; exits non-zero when any check failed:
 #
 #   1. the GPU-marked tests (`pytest -m gpu tests/gpu`);
@@ -10,16 +10,21 @@
 #      SMOKE_MIN_RATIO;
 #   4. offload on a real model: diffusers' Wan 2.1 1.3B, half its blocks checkpointed, with and
 #      without activation offload (scripts/bench/bench_memory_real.py): the peak falls by at least
-#      60% of the bytes offloaded per step, with the same number of steps timed.
+#      60% of the bytes offloaded per step, with the same number of steps timed;
+#   5. fine-tuning speed: recipes/finetune_video.yaml on Wan 2.1 1.3B's shapes (random weights) at
+#      a reduced size (256 px, 17 frames) against the hand-written peft LoRA loop, compiled
+#      (scripts/bench/finetune_vs_hand.py); reports the samples/s ratio, fails only on a crash.
 #
 #   .ci/gpu_smoke.sh                          # dev machine: uses `uv run --no-sync python`
 #   LITEGEN_PYTHON=python3 .ci/gpu_smoke.sh   # a python that has the packages (no uv), with
 #                                             # the repository root on PYTHONPATH (docs/install.md)
 #
-# About 7 minutes on one H200. Environment: LITEGEN_PYTHON (interpreter), SMOKE_STEPS (launch
-# steps, default 20), SMOKE_OUT (logs and results; default smoke_results), SMOKE_STRATEGIES
-# (default: every registered strategy), SMOKE_MIN_RATIO (default 0.98), SMOKE_SKIP (checks to
-# leave out, by number: SMOKE_SKIP="3 4" runs the tests and the launches only).
+# About 11 minutes on one H200 (check 5 about 4 of them, the first time). Environment:
+# LITEGEN_PYTHON (interpreter), SMOKE_STEPS (launch steps, default 20), SMOKE_OUT (logs and
+# results; default smoke_results), SMOKE_STRATEGIES (default: every registered strategy),
+# SMOKE_MIN_RATIO (default 0.98), SMOKE_SKIP (checks to leave out, by number: SMOKE_SKIP="3 4 5"
+# runs the tests and the launches only), SMOKE_WORK (check 5's pipeline folder and cache, about
+# 4 GB, kept for the next run; default /tmp/finetune_vs_hand, as scripts/bench/finetune_vs_hand.py).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -90,7 +95,8 @@ for strategy in $STRATEGIES; do
         status=$(($? + second))
         note="2 simulated nodes x $half GPU(s)"
     else
-        if [ "$NGPU" -lt 2 ] && [ "$strategy" != ddp ] && [ "$strategy" != fsdp1 ]; then
+        # One GPU: ddp and fsdp2 train unwrapped (their single-rank path), fsdp1 wraps.
+        if [ "$NGPU" -lt 2 ] && [[ " ddp fsdp1 fsdp2 " != *" $strategy "* ]]; then
             record "launch $strategy" SKIP "needs a data-parallel size of at least 2"
             continue
         fi
@@ -146,7 +152,29 @@ EOF
     fi
 fi
 
-# 5. The table, last.
+# 5. Fine-tuning speed: the video recipe against the hand-written peft LoRA loop, compiled.
+if wanted 5; then
+    started=$SECONDS
+    if "${PY[@]}" -m scripts.bench.finetune_vs_hand --family wan --resolution 256 --frames 17 \
+        --warmup 5 --window 5 --windows 2 --sides hand-compiled launch \
+        --work "${SMOKE_WORK:-/tmp/finetune_vs_hand}" --summary "$OUT/finetune_speed.json" \
+        >"$OUT/finetune_speed.log" 2>&1; then
+        note=$("${PY[@]}" - "$OUT/finetune_speed.json" <<'EOF'
+import json, sys
+result = json.load(open(sys.argv[1]))
+hand, launch = result["sides"]["hand-compiled"], result["sides"]["launch"]
+print(f"Wan 1.3B LoRA {result['shape'].split()[1]}: recipe/hand compiled {launch['ratio']:.3f} "
+      f"({launch['median']:.2f} / {hand['median']:.2f} samples/s; peak {launch['peak_gib']:.1f} "
+      f"/ {hand['peak_gib']:.1f} GiB)")
+EOF
+        )
+        record "finetune speed" PASS "$note"
+    else
+        record "finetune speed" FAIL "finetune_vs_hand failed (see $OUT/finetune_speed.log)"
+    fi
+fi
+
+# 6. The table, last.
 failed=0
 printf '\n%-20s %-6s %5s  %s\n' check result s note
 for i in "${!NAMES[@]}"; do

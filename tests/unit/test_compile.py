@@ -214,3 +214,56 @@ def test_inductor_compiles_without_mix_order_reduction_unless_the_user_turns_it_
     assert "options" not in compile_kwargs(CompileConfig(enabled=True), backend="aot_eager")
     monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "1")
     assert "options" not in compile_kwargs(CompileConfig(enabled=True))
+
+
+def lora_model() -> DiT:
+    """The tiny DiT with peft LoRA adapters in its attention, as the fine-tuning recipes train."""
+    pytest.importorskip("peft")
+    from litegen.config.sections import LoRAConfig
+    from litegen.lora import apply_lora
+
+    model = make()
+    apply_lora(model, LoRAConfig(rank=4, target_modules=["qkv", "proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; a nonzero one makes the adapters count
+            torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def test_blocks_with_lora_adapters_compile_as_one_graph_and_match_eager():
+    eager, compiled = lora_model(), lora_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(compiled, CompileConfig(enabled=True, dynamic=None), backend=counter)
+    ref_loss, ref_grads = loss_and_grads(eager)
+    loss, grads = loss_and_grads(compiled)
+    # peft's layers trace without a graph break; the first block's input needs no gradient
+    # (the base is frozen), the others' do, so the one forward has two graphs.
+    assert counter.frame_count == 2
+    assert any("lora_A" in name for name in grads)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_blocks_with_lora_adapters_recompile_at_most_twice_over_bucket_shapes():
+    model = lora_model()
+    counter = CompileCounter()
+    compile_blocks(model, CompileConfig(enabled=True, dynamic=None), backend=counter)
+    for tokens in (16, 24, 40, 56):
+        loss_and_grads(model, tokens)
+    frames = counter.frame_count
+    # Per input kind (no gradient: the first block; gradient: the others), the static first
+    # shape and one dynamic recompile; without dynamic marking, every shape would compile.
+    assert frames <= 4, frames
+
+
+@pytest.mark.parametrize(
+    "enabled, device, wanted",
+    [(True, "cpu", True), (False, "cuda", False), ("auto", "cuda", True), ("auto", "cpu", False)],
+)
+def test_auto_compiles_on_cuda_only(enabled, device, wanted):
+    from types import SimpleNamespace
+
+    from litegen.compile import compile_wanted
+
+    assert compile_wanted(SimpleNamespace(enabled=enabled), torch.device(device)) is wanted

@@ -1,5 +1,6 @@
-"""fsdp2 on one gloo rank: a unit whose output is a view (as diffusers' models return) trains
-without torch's per-rank "returned a view tensor" warning, and with the same gradients."""
+"""fsdp2 on one gloo rank, wrapped (a world of one otherwise trains unwrapped): a unit whose
+output is a view (as diffusers' models return) trains without torch's per-rank "returned a view
+tensor" warning, and with the same gradients."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import litegen
+from litegen.parallel.fsdp2 import Fsdp2Strategy
 from litegen.utils.config import MainConfig
 
 
@@ -40,7 +42,8 @@ class Unpatchify(nn.Module):
         return x.reshape(x.shape[0], -1)  # a view, as unpatchify's reshape
 
 
-def test_view_outputs_train_under_fsdp2_without_the_view_warning(tmp_path):
+def test_view_outputs_train_under_fsdp2_without_the_view_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(Fsdp2Strategy, "unwrap_single_rank", False)
     config = MainConfig.from_dict(
         {
             "runtime": {"device": "cpu"},

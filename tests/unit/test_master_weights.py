@@ -90,3 +90,43 @@ def test_an_fp32_master_beside_bf16_moments_keeps_its_fp32_value():
         master = loaded.state[p]["master"]
         assert master.dtype == torch.float32
         assert torch.equal(master, saved["state"][i]["master"])
+
+
+def test_masters_step_with_the_implementation_adamw_would_choose(monkeypatch):
+    """A group's ``foreach`` reaches torch's AdamW as it is: None lets torch choose (foreach on
+    CUDA, as AdamW itself does), rather than a loop over the tensors."""
+    from torch.optim.adam import adam
+
+    import litegen.optim
+
+    seen = []
+
+    def recording_adam(*args, **kwargs):
+        seen.append(kwargs["foreach"])
+        return adam(*args, **kwargs)
+
+    monkeypatch.setattr(litegen.optim, "adam", recording_adam)
+    for foreach in (None, True, False):
+        param = torch.nn.Parameter(torch.randn(4, 3).to(torch.bfloat16))
+        optimizer = torch.optim.AdamW([param], lr=1e-2, foreach=foreach)
+        enable_master_weights(optimizer)
+        param.grad = torch.randn(4, 3).to(torch.bfloat16)
+        optimizer.step()
+    assert seen == [None, True, False]
+
+
+def test_foreach_masters_step_as_foreach_adamw_on_fp32_copies():
+    params, optimizer = make()
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    groups = [{"params": reference[:1]}, {"params": reference[1:], "lr": 1e-3}]
+    fp32 = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True)
+    for seed in range(3):
+        step(params, optimizer, seed)
+        for p, r in zip(params[:2], reference[:2], strict=True):
+            r.grad = p.grad.float()
+        fp32.step()
+    for p, r in zip(params[:2], reference[:2], strict=True):
+        assert torch.equal(optimizer.state[p]["master"], r.detach())
+        assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))

@@ -222,6 +222,23 @@ def compile_kwargs(compile_cfg: Any, backend: str | Callable | None = None) -> d
     return kwargs
 
 
+def compile_wanted(compile_cfg: Any, device: torch.device) -> bool:
+    """Whether ``prepare`` compiles under ``compile_cfg.enabled``: ``True``, or ``"auto"`` on
+    CUDA; ``"auto"`` leaves CPU runs eager, where inductor's C++ compile of a small model costs
+    more than it gains.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> compile_wanted(SimpleNamespace(enabled="auto"), torch.device("cpu"))
+        False
+        >>> compile_wanted(SimpleNamespace(enabled="auto"), torch.device("cuda", 0))
+        True
+    """
+    if compile_cfg.enabled == "auto":
+        return device.type == "cuda"
+    return bool(compile_cfg.enabled)
+
+
 def compile_blocks(
     model: nn.Module,
     compile_cfg: Any,
@@ -301,6 +318,7 @@ def compile_blocks(
 __all__ = [
     "compile_blocks",
     "compile_kwargs",
+    "compile_wanted",
     "correct_gradient_options",
     "inductor_options",
     "is_compiled",

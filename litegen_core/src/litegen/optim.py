@@ -279,7 +279,9 @@ def _adamw_on_masters(
         exp_avg_sqs,
         [],
         steps,
-        foreach=bool(group.get("foreach")),
+        # The group's own choice; None lets torch choose as AdamW does (foreach on CUDA): a
+        # loop over the tensors would launch ~10 kernels per tensor, thousands for LoRA.
+        foreach=group.get("foreach"),
         fused=fused or None,
         decoupled_weight_decay=True,
         amsgrad=False,

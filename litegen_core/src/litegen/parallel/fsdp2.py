@@ -6,6 +6,15 @@ ranks of a 1-D mesh. ``hsdp`` is the same on a 2-D ``(replicate, shard)`` mesh: 
 within a node and replicated across nodes. Parameters become DTensors with their original
 names, so optimizers are rebound by name and full/DCP state dicts come from torch's
 ``torch.distributed.checkpoint.state_dict`` (``base.py``'s defaults).
+
+On one rank there is nothing to shard and nothing to reduce, yet ``fully_shard`` would still copy
+every unit's parameters into and out of its all-gather buffers at each forward and backward,
+copy the gradients through its reduce-scatter, and run its hooks around every unit. So a world
+of one trains the model unwrapped, as a single-GPU script would (said once in the log), when
+nothing else depends on the wrap: no ``cpu_offload`` (which works through it) and no
+``fsdp2_mixed`` dtypes (which the wrap applies). The parameters, the FP32 masters, the EMA
+(``Shard(0)`` over the one-rank mesh, as for ddp) and the state dicts keep the same names, so
+checkpoints load at any world size and results are those of the wrapped model.
 """
 
 from __future__ import annotations
@@ -48,11 +57,30 @@ class Fsdp2Strategy(Strategy):
         model = strategy.wrap_model(model)  # model.blocks[0] is now an FSDPModule
     """
 
+    # Whether a world of one trains unwrapped (module docstring); tests set it to False to
+    # compare with the wrapped layout.
+    unwrap_single_rank: bool = True
+
     def mesh(self) -> DeviceMesh:
         return dp_mesh(self.plan)
 
+    def trains_unwrapped(self) -> bool:
+        """One rank, and nothing but sharding would come from the wrap (module docstring)."""
+        cfg = self.optimization.parallel.fsdp2
+        mixed = self.optimization.precision.fsdp2_mixed
+        dtypes = (mixed.param_dtype, mixed.reduce_dtype, mixed.output_dtype)
+        return (
+            self.unwrap_single_rank
+            and self.plan.world_size == 1
+            and not cfg.cpu_offload
+            and all(dtype is None for dtype in dtypes)
+        )
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         cfg = self.optimization.parallel.fsdp2
+        if self.trains_unwrapped():
+            log.info("%s on one rank: training unwrapped (nothing to shard or reduce)", self.name)
+            return model.to(self.plan.device)
         planned = plan_units(model, cfg)
         last = last_unit(model, planned)
         # Submodules the model calls from outside their unit get units of their own.
@@ -133,6 +161,8 @@ class Fsdp2Strategy(Strategy):
         return sorted(outer, key=order.__getitem__)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        if not isinstance(model, FSDPModule):  # one rank, unwrapped: gradients stay local
+            return super().no_sync(model)
         return _no_gradient_sync(model)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -173,7 +203,6 @@ class HsdpStrategy(Fsdp2Strategy):
 @contextmanager
 def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally; the final micro-batch reduces them all."""
-    assert isinstance(model, FSDPModule), "Fsdp2Strategy.wrap_model shards the root"
     model.set_requires_gradient_sync(False)  # recurses into every unit (and HSDP's all-reduce)
     try:
         yield

@@ -1,0 +1,500 @@
+"""A fine-tuning recipe through ``litegen launch`` against the hand-written peft LoRA loop
+(``hand_lora_loop.py``), the same work on one GPU, sides alternating; prints one table.
+
+It prepares what the recipe needs under ``--work`` (kept and reused by the next call): a
+pipeline folder with the real transformer's shapes and random weights (Wan 2.1 1.3B, or a
+Flux.1-dev-wide transformer of ``--flux-layers``/``--flux-single-layers`` blocks), a media
+folder of clips or images at exactly the bucket the recipe trains at, and the cache
+(``litegen cache build``). Then it runs each side of ``--sides`` in its own process, in
+alternating order over ``--rounds`` rounds, appends each run to ``<work>/runs.jsonl``, and
+prints the table of every run of this shape found there (so two calls of one round each give
+two rounds): side, samples/s of each round, their median, peak GiB, and the ratio to
+``--reference``.
+
+Sides: ``hand`` (eager), ``hand-compiled`` (each block ``torch.compile``'d), ``launch`` (the
+recipe as shipped), ``launch-compiled`` (``optimization.compile.enabled=true``, ``dynamic:
+null``), ``launch-recommended`` (docs/performance.md's fine-tuning settings), ``launch-tuned``
+(those and inductor's ``coordinate_descent_tuning``) and ``launch-tuned-wan`` (and
+``fused_wan_attention``).
+
+On a GPU node without uv, from the repository root (docs in /work/shared/gpu/README.md)::
+
+    PYTHONPATH=/tmp/site:$PWD/litegen_core/src:$PWD/litegen_cli/src:$PWD \\
+      python3 -m scripts.bench.finetune_vs_hand --family wan --recipe recipes/finetune_video.yaml
+
+Reduced shape (``.ci/gpu_smoke.sh``): ``--resolution 256 --frames 17 --windows 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HAND = Path(__file__).resolve().parent / "hand_lora_loop.py"
+
+# Extra overrides of each litegen side (on top of the recipe and the shared ones below).
+_RECOMMENDED = [
+    "optimization.compile.enabled=true",
+    "optimization.compile.dynamic=null",
+    "optimization.optimizer.backend=fused",
+]
+LAUNCH_SIDES: dict[str, list[str]] = {
+    "launch": [],
+    "launch-compiled": ["optimization.compile.enabled=true", "optimization.compile.dynamic=null"],
+    "launch-recommended": _RECOMMENDED,
+    # Candidates for the recommended settings: tuned Triton launches (longer cold compiles) and,
+    # on Wan, the fused query/key norm and rotary embedding (the adapted projections stay apart).
+    "launch-tuned": [*_RECOMMENDED, "optimization.compile.options.coordinate_descent_tuning=true"],
+    "launch-tuned-wan": [
+        *_RECOMMENDED,
+        "optimization.compile.options.coordinate_descent_tuning=true",
+        "optimization.experimental.fused_wan_attention=true",
+    ],
+}
+HAND_SIDES: dict[str, list[str]] = {"hand": [], "hand-compiled": ["--compile"]}
+
+
+# -- what the driver assumes about the recipe: adapt here when its keys or entry move --------
+def recipe_overrides(args: argparse.Namespace, pipeline: Path, media: Path) -> list[str]:
+    """The recipe keys naming the pipeline folder, the media, the cache and the bucket size."""
+    return [
+        f"model.pretrained={pipeline}",
+        f"data.folder={media}",
+        f"data.cache_root={args.work / 'cache'}",
+        f"data.resolution={args.resolution}",
+        f"data.max_frames={args.frames}",
+        *args.recipe_override,
+    ]
+
+
+def run_overrides(args: argparse.Namespace, results: Path) -> list[str]:
+    """One GPU, batch 1, a fixed number of steps, logging once per timed window, no sampling
+    and no checkpoint (neither is timed, both take minutes at real size)."""
+    return [
+        "launch.nproc_per_node=1",
+        "global_batch_size=1",
+        f"max_steps={args.warmup + args.window * args.windows}",
+        f"trainer.log_every={args.window}",
+        "trainer.sample_every=0",
+        "trainer.checkpoint_every=0",
+        "trainer.save_final=false",
+        f"optimization.lora.rank={args.rank}",
+        f"optimization.lora.alpha={args.alpha}",
+        f"results_dir={results}",
+    ]
+
+
+# -- preparation -------------------------------------------------------------------------------
+def bucket(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(frames, height, width)`` the recipe trains a file of ``--aspect`` at (the family's
+    rule)."""
+    from litegen.data import MediaBuckets
+    from litegen.data.media_files import MediaFile
+
+    frames = args.frames
+    wide, high = (int(n) for n in args.aspect.split(":"))
+    rule = MediaBuckets(resolution=args.resolution, spatial_multiple=16, max_frames=frames)
+    file = MediaFile(Path("x"), "", 64 * wide, 64 * high, frames=frames, is_video=frames > 1)
+    return rule.bucket(file)
+
+
+def make_pipeline(args: argparse.Namespace, folder: Path) -> None:
+    """The pipeline folder, transformer stored in bf16 (built on the GPU: seconds, not minutes)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        from litegen_zoo.make_tiny_pipeline import make_tiny_pipeline
+
+        make_tiny_pipeline(args.family, folder)
+        return
+    with torch.device(device):
+        pipe = wan_pipeline() if args.family == "wan" else flux_pipeline(args)
+    pipe.transformer.to(torch.bfloat16)
+    pipe.to("cpu").save_pretrained(str(folder))
+
+
+def wan_pipeline() -> Any:
+    from litegen_zoo.make_tiny_pipeline import wan_1_3b_shapes_pipeline
+
+    return wan_1_3b_shapes_pipeline()
+
+
+def flux_pipeline(args: argparse.Namespace) -> Any:
+    """FLUX.1-dev's transformer width, text lengths, VAE and scheduler; fewer blocks; one-layer
+    text encoders of the real widths (T5 4096, CLIP 768)."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from litegen_zoo.make_tiny_pipeline import tiny_tokenizer
+
+    torch.manual_seed(0)
+    clip_tokenizer, t5_tokenizer = tiny_tokenizer(77, bos=True), tiny_tokenizer(512, bos=False)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tokenizer),
+            hidden_size=768,
+            intermediate_size=1024,
+            num_hidden_layers=1,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            projection_dim=768,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=3,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer),
+            d_model=4096,
+            d_kv=64,
+            d_ff=1024,
+            num_layers=1,
+            num_heads=64,
+            relative_attention_num_buckets=32,
+        )
+    )
+    transformer = FluxTransformer2DModel(  # black-forest-labs/FLUX.1-dev/transformer, shallower
+        patch_size=1,
+        in_channels=64,
+        num_layers=args.flux_layers,
+        num_single_layers=args.flux_single_layers,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=[16, 56, 56],
+    )
+    vae = AutoencoderKL(  # FLUX.1-dev/vae
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2,
+        latent_channels=16,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        base_shift=0.5,
+        max_shift=1.15,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+
+
+def make_media(args: argparse.Namespace, folder: Path, shape: tuple[int, int, int]) -> None:
+    from tests.media import write_mp4, write_png
+
+    frames, height, width = shape
+    for i in range(args.clips):
+        if args.family == "wan":
+            write_mp4(folder / f"clip_{i}.mp4", width, height, frames, fps=16)
+        else:
+            write_png(folder / f"image_{i}.png", width, height, color=(40 * i % 256, 90, 160))
+        (
+            folder / f"clip_{i}.txt" if args.family == "wan" else folder / f"image_{i}.txt"
+        ).write_text(f"a sample number {i}")
+
+
+def cli(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "litegen_cli.app", *arguments]
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, tuple[int, int, int]]:
+    """The pipeline, media and cache under ``--work``; each is made once."""
+    shape = bucket(args)
+    suffix = "" if args.family == "wan" else f"-{args.flux_layers}x{args.flux_single_layers}"
+    suffix += "-tiny" if args.tiny else ""
+    pipeline = args.work / f"{args.family}{suffix}-pipeline"
+    if not (pipeline / "model_index.json").is_file():
+        shutil.rmtree(pipeline, ignore_errors=True)
+        lap(f"writing the pipeline folder {pipeline}")
+        make_pipeline(args, pipeline)
+    media = args.work / f"media-{args.family}-{'x'.join(map(str, shape))}"
+    if not media.is_dir():
+        lap(f"writing {args.clips} media files of {shape} (frames, height, width)")
+        media.mkdir(parents=True)
+        make_media(args, media, shape)
+    lap("building the cache (litegen cache build)")
+    build = cli(
+        "cache",
+        "build",
+        str(args.recipe),
+        *recipe_overrides(args, pipeline, media),
+        "launch.nproc_per_node=1",
+        "--nproc",
+        "1",
+    )
+    run_logged(build, args.work / "cache_build.log", args.timeout)
+    return pipeline, media, shape
+
+
+# -- the runs --------------------------------------------------------------------------------
+_START = time.time()
+
+
+def lap(message: str) -> None:
+    print(f"[{time.time() - _START:6.0f} s] {message}", flush=True)
+
+
+def run_logged(command: list[str], log: Path, timeout: float) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=ROOT
+        )
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(command)}\n{tail}")
+
+
+def text_tokens(args: argparse.Namespace, pipeline: Path) -> int:
+    """The text length the recipe caches: the (T5) tokenizer's, at most 512."""
+    name = "tokenizer" if args.family == "wan" else "tokenizer_2"
+    config = json.loads((pipeline / name / "tokenizer_config.json").read_text())
+    return min(int(config.get("model_max_length", 512)), 512)
+
+
+def run_hand(args, side: str, pipeline: Path, shape, folder: Path) -> dict[str, Any]:
+    frames, height, width = shape
+    out = folder / "hand.json"
+    options = {
+        "pipeline": pipeline,
+        "family": args.family,
+        "frames": frames,
+        "height": height,
+        "width": width,
+        "text-tokens": text_tokens(args, pipeline),
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "warmup": args.warmup,
+        "window": args.window,
+        "windows": args.windows,
+        "out": out,
+    }
+    flags = [item for name, value in options.items() for item in (f"--{name}", str(value))]
+    command = [sys.executable, str(HAND), *flags, *HAND_SIDES[side]]
+    run_logged(command, folder / "run.log", args.timeout)
+    result = json.loads(out.read_text())
+    return {
+        "samples_per_s": result["samples_per_s"],
+        "peak_gib": result["peak_gib"],
+        "tokens": result["tokens"],
+    }
+
+
+def run_launch(args, side: str, pipeline: Path, media: Path, folder: Path) -> dict[str, Any]:
+    results = folder / "results"
+    command = cli(
+        "launch",
+        str(args.recipe),
+        *recipe_overrides(args, pipeline, media),
+        *run_overrides(args, results),
+        *args.launch_sides[side],
+        *args.launch_override,
+    )
+    run_logged(command, folder / "run.log", args.timeout)
+    lines = (results / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    timed = [r for r in records if r.get("samples_per_s") and r["step"] > args.warmup]
+    if not timed:
+        raise RuntimeError(f"{side}: no record past step {args.warmup} in {results}")
+    peaks = [r["peak_allocated_gib"] for r in records if r.get("peak_allocated_gib") is not None]
+    return {
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
+        "peak_gib": max(peaks) if peaks else None,
+    }
+
+
+def shape_key(args: argparse.Namespace, shape) -> str:
+    flux = f" {args.flux_layers}+{args.flux_single_layers} blocks" if args.family == "flux" else ""
+    return f"{args.family}{flux} {'x'.join(map(str, shape))} rank {args.rank} {args.recipe.name}"
+
+
+def summary(args: argparse.Namespace, key: str) -> dict[str, Any]:
+    """Every run of this shape in ``runs.jsonl``, by side: rates, median, peak, ratio."""
+    runs = [json.loads(line) for line in (args.work / "runs.jsonl").read_text().splitlines()]
+    runs = [r for r in runs if r["shape"] == key]
+    by_side: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_side.setdefault(run["side"], []).append(run)
+    sides = {}
+    for side, side_runs in by_side.items():
+        peaks = [r["peak_gib"] for r in side_runs if r["peak_gib"] is not None]
+        sides[side] = {
+            "samples_per_s": [r["samples_per_s"] for r in side_runs],
+            "median": statistics.median(r["samples_per_s"] for r in side_runs),
+            "peak_gib": max(peaks) if peaks else None,
+        }
+    reference = sides.get(args.reference, {}).get("median")
+    for row in sides.values():
+        row["ratio"] = row["median"] / reference if reference else None
+    last = runs[-1]
+    return {
+        "shape": key,
+        "device": last["device"],
+        "torch": last["torch"],
+        "reference": args.reference,
+        "sides": sides,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The summary as the table printed last."""
+    lines = [
+        f"{result['shape']}; {result['device']}, torch {result['torch']}",
+        f"{'side':<20} {'samples/s (rounds)':<24} {'median':>8} {'peak GiB':>9} {'ratio':>6}",
+    ]
+    for side, row in result["sides"].items():
+        rates = " ".join(f"{rate:.3f}" for rate in row["samples_per_s"])
+        peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9}"
+        ratio = f"{row['ratio']:6.3f}" if row["ratio"] is not None else f"{'-':>6}"
+        lines.append(f"{side:<20} {rates:<24} {row['median']:8.3f} {peak} {ratio}")
+    lines.append(f"ratio: median samples/s over {result['reference']}'s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    pipeline, media, shape = prepare(args)
+    key = shape_key(args, shape)
+    log = args.work / "runs.jsonl"
+    done = (
+        sum(1 for line in log.read_text().splitlines() if json.loads(line)["shape"] == key)
+        if log.is_file()
+        else 0
+    )
+    failed = []
+    for round_ in range(args.rounds):
+        # Alternate the order, continuing from the runs of earlier calls.
+        order = args.sides if (done // len(args.sides) + round_) % 2 == 0 else args.sides[::-1]
+        for side in order:
+            folder = args.work / "runs" / f"{side}-{int(time.time())}"
+            shutil.rmtree(folder, ignore_errors=True)
+            lap(f"{side}: running (log {folder / 'run.log'})")
+            try:
+                if side in HAND_SIDES:
+                    result = run_hand(args, side, pipeline, shape, folder)
+                else:
+                    result = run_launch(args, side, pipeline, media, folder)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                # The other sides still run and the table still prints; the exit code says.
+                lap(f"{side}: FAILED: {exc}")
+                failed.append(side)
+                continue
+            result.update(side=side, shape=key, device=device, torch=torch.__version__)
+            with log.open("a") as out:
+                out.write(json.dumps(result) + "\n")
+            lap(f"{side}: {result['samples_per_s']:.3f} samples/s, peak {result['peak_gib']}")
+    if log.is_file() and any(json.loads(line)["shape"] == key for line in log.open()):
+        result = summary(args, key)
+        if args.summary is not None:
+            args.summary.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(table(result))
+    if failed:
+        print(f"failed: {' '.join(failed)} (their logs are under {args.work / 'runs'})")
+        sys.exit(1)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("wan", "flux"), default="wan")
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        default=None,
+        help="default: recipes/finetune_video.yaml (wan), finetune_image.yaml",
+    )
+    parser.add_argument("--work", type=Path, default=Path("/tmp/finetune_vs_hand"))
+    parser.add_argument("--resolution", type=int, default=None, help="480 (wan), 1024 (flux)")
+    parser.add_argument("--aspect", default=None, help="width:height, 16:9 (wan), 1:1 (flux)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny zoo pipeline (CPU check)")
+    parser.add_argument("--frames", type=int, default=49, help="Wan: frames of a clip, 4k+1")
+    parser.add_argument("--rank", type=int, default=None, help="the recipe's: 32 wan, 16 flux")
+    parser.add_argument("--flux-layers", type=int, default=8, help="double-stream blocks (dev: 19)")
+    parser.add_argument("--flux-single-layers", type=int, default=16, help="(dev: 38)")
+    parser.add_argument("--clips", type=int, default=2, help="media files")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=["hand-compiled", "launch", "launch-compiled"],
+        help=f"of {[*HAND_SIDES, *LAUNCH_SIDES]} and those --side-def defines",
+    )
+    parser.add_argument(
+        "--side-def",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="a launch side of your own: its name and overrides (an ablation, say)",
+    )
+    parser.add_argument("--reference", default="hand-compiled")
+    parser.add_argument("--summary", type=Path, help="also write the table as JSON here")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the timed windows")
+    parser.add_argument("--window", type=int, default=10, help="steps per timed window")
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=480, help="seconds per run")
+    parser.add_argument(
+        "--recipe-override",
+        nargs="*",
+        default=[],
+        help="KEY=VALUE for cache build and launch (e.g. launch.entry=...)",
+    )
+    parser.add_argument(
+        "--launch-override", nargs="*", default=[], help="KEY=VALUE for every launch side"
+    )
+    args = parser.parse_args(argv)
+    args.launch_sides = {**LAUNCH_SIDES, **{d[0]: d[1:] for d in args.side_def}}
+    unknown = [s for s in args.sides if s not in HAND_SIDES and s not in args.launch_sides]
+    if unknown:
+        parser.error(f"unknown sides {unknown}; define them with --side-def NAME KEY=VALUE ...")
+    wan = args.family == "wan"
+    if args.recipe is None:
+        args.recipe = ROOT / "recipes" / ("finetune_video.yaml" if wan else "finetune_image.yaml")
+    args.resolution = args.resolution or (480 if wan else 1024)
+    args.frames = args.frames if wan else 1
+    args.aspect = args.aspect or ("16:9" if wan else "1:1")
+    args.rank = args.rank or (32 if wan else 16)
+    args.alpha = float(args.rank)  # both recipes: alpha = rank
+    return args
+
+
+if __name__ == "__main__":
+    main()
