@@ -9,8 +9,8 @@
 #
 # Environment: WORK (scratch folder, default /tmp/finetune_real; the pipeline takes ~6 GB),
 # STEPS (default 20), CLIPS (default 2), SAMPLE_STEPS (validation steps, default 4); for a
-# quick CPU check of the script itself: FAMILY=wan SIZE=64x48 FRAMES=9 and EXTRA="data.resolution=48
-# data.max_frames=9 trainer.validation.height=48 trainer.validation.width=64 trainer.validation.frames=9".
+# quick CPU check of the script itself: FAMILY=wan SIZE=64x48 FRAMES=9 and EXTRA="finetune.data.resolution=48
+# finetune.data.max_frames=9 trainer.validation.height=48 trainer.validation.width=64 trainer.validation.frames=9".
 set -eu
 cd "$(dirname "$0")/../.."
 source scripts/_python.sh
@@ -42,8 +42,8 @@ for i in range(clips):
         (root / f"clip_{i}.txt").write_text(f"a clip number {i}")
 PY
 lap "media folder ready"
-common=(recipes/finetune_video.yaml "model.pretrained=$WORK/$FAMILY" "data.folder=$WORK/media"
-    "data.cache_root=$WORK/cache" launch.nproc_per_node=1 "${EXTRA_ARGS[@]}")
+common=(recipes/finetune_video.yaml "finetune.pipeline=$WORK/$FAMILY" "finetune.data.folder=$WORK/media"
+    "finetune.data.cache_root=$WORK/cache" launch.nproc_per_node=1 "${EXTRA_ARGS[@]}")
 "${CLI[@]}" cache build "${common[@]}" --nproc 1
 lap "cache built"
 rm -rf "$WORK/results"

@@ -67,11 +67,11 @@ HAND_SIDES: dict[str, list[str]] = {"hand": [], "hand-compiled": ["--compile"]}
 def recipe_overrides(args: argparse.Namespace, pipeline: Path, media: Path) -> list[str]:
     """The recipe keys naming the pipeline folder, the media, the cache and the bucket size."""
     return [
-        f"model.pretrained={pipeline}",
-        f"data.folder={media}",
-        f"data.cache_root={args.work / 'cache'}",
-        f"data.resolution={args.resolution}",
-        f"data.max_frames={args.frames}",
+        f"finetune.pipeline={pipeline}",
+        f"finetune.data.folder={media}",
+        f"finetune.data.cache_root={args.work / 'cache'}",
+        f"finetune.data.resolution={args.resolution}",
+        f"finetune.data.max_frames={args.frames}",
         *args.recipe_override,
     ]
 

@@ -222,10 +222,10 @@ def compile_kwargs(compile_cfg: Any, backend: str | Callable | None = None) -> d
     return kwargs
 
 
-def compile_wanted(compile_cfg: Any, device: torch.device) -> bool:
+def compile_wanted(compile_cfg: Any, device: torch.device, memory_cfg: Any = None) -> bool:
     """Whether ``prepare`` compiles under ``compile_cfg.enabled``: ``True``, or ``"auto"`` on
-    CUDA; ``"auto"`` leaves CPU runs eager, where inductor's C++ compile of a small model costs
-    more than it gains.
+    CUDA without block swap (``memory_cfg.block_swap``); ``"auto"`` leaves CPU runs eager, where
+    inductor's C++ compile of a small model costs more than it gains.
 
     Example:
         >>> from types import SimpleNamespace
@@ -235,7 +235,8 @@ def compile_wanted(compile_cfg: Any, device: torch.device) -> bool:
         True
     """
     if compile_cfg.enabled == "auto":
-        return device.type == "cuda"
+        swapping = getattr(memory_cfg, "block_swap", None) is not None
+        return device.type == "cuda" and not swapping
     return bool(compile_cfg.enabled)
 
 

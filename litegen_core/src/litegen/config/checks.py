@@ -281,7 +281,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     ),
     Unsupported(
         ("optimization.memory.block_swap", "optimization.compile.enabled"),
-        lambda cfg, opt: opt.memory.block_swap is not None and opt.compile.enabled,
+        lambda cfg, opt: opt.memory.block_swap is not None and opt.compile.enabled is True,
         "block swap replaces a block's weights around each call, which compiled blocks would "
         "guard on and recompile for; set compile.enabled: false, or remove block_swap",
     ),

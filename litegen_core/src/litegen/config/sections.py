@@ -154,7 +154,9 @@ class CompileConfig(Section):
     ``dynamic: null`` bounds recompiles for variable resolutions (see docs/performance.md).
     """
 
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = False
+    """``auto``: compile on CUDA, stay eager on the CPU (where inductor's C++ build of a small
+    model costs more than it gains) and under block swap (which compile cannot follow)."""
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
         "default"
     )

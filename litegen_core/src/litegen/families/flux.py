@@ -47,13 +47,14 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return patches.reshape(b, c, height, width)
 
 
-def image_ids(height: int, width: int) -> torch.Tensor:
-    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column)."""
+def image_ids(height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column), made on ``device``
+    (made on the host and copied, they would make every training step wait for the copy)."""
     import torch
 
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
+    ids = torch.zeros(height // 2, width // 2, 3, device=device)
+    ids[..., 1] = torch.arange(height // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(width // 2, device=device)[None, :]
     return ids.view(-1, 3)
 
 
@@ -231,7 +232,7 @@ class Flux(Family):
             pooled_projections=batch["pooled"].to(dtype),
             encoder_hidden_states=text,
             txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=image_ids(h, w).to(device=noisy.device, dtype=dtype),
+            img_ids=image_ids(h, w, noisy.device).to(dtype),
             return_dict=False,
         )[0]
         return unpack(prediction, h, w)

@@ -95,8 +95,11 @@ def build(config: Any) -> dict[str, Any]:
         )
     data, empty_prompt = cached_data(config, family)
     model = load_transformer(config)
+    # One fused kernel per step on CUDA, as a hand-written loop would use; torch's own
+    # choice (foreach) elsewhere. A backend in optimization.optimizer still overrides it.
+    on_cuda = config.runtime.device not in ("cpu", "meta") and torch.cuda.is_available()
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=on_cuda or None
     )
     dropout = settings(config).data.caption_dropout
     return {

@@ -102,11 +102,11 @@ class ModelPipeline:
         # policy memory_budget without compile was refused with the config (config/checks).
         if memory.candidates or memory.memory_budget is not None or memory.chunked_mlps:
             log.info("%s: %s", type(model).__name__, memory.describe())
-        if optimization.compile.enabled:
+        from litegen.compile import compile_blocks, compile_wanted
+
+        if compile_wanted(optimization.compile, self.device, optimization.memory):
             # After checkpointing (compiled inside each block's BlockForward) and before the
             # wrap, so FSDP's hooks stay outside the compiled regions (litegen/compile.py).
-            from litegen.compile import compile_blocks
-
             compiled = compile_blocks(
                 model,
                 optimization.compile,
