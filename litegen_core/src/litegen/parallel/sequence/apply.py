@@ -1,5 +1,5 @@
-"""Apply a sequence-parallel plan to a model, in place: hooks at block boundaries, Ulysses
-attention inside.
+"""Apply a sequence-parallel plan to a model, in place: hooks at block boundaries, Ulysses and
+ring attention inside.
 
 The split and the gather are module hooks, so they run outside the blocks' activation
 checkpoints and compiled regions (which patch the blocks' ``forward``); a checkpointed block
@@ -45,13 +45,35 @@ class SequenceLayout:
 
 
 class SequenceParallel:
-    """One model's sequence-parallel state: its group, and the layout of the current forward."""
+    """One model's sequence-parallel state: its groups, and the layout of the current forward.
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+    ``group`` holds the sample's ranks (the split and the gather); its Ulysses group runs the
+    all-to-alls (``sp_size`` ranks; ``group`` itself without a ring), and its ring group
+    (``cp_size`` ranks) passes keys and values round (None: no ring).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.name = type(model).__name__
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.ulysses_group = group if ulysses_group is None else ulysses_group
+        self.ulysses_size = dist.get_world_size(self.ulysses_group)
+        self.ulysses_rank = dist.get_rank(self.ulysses_group)
+        self.ring_group = ring_group
+        self.ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
+        if self.ulysses_size * self.ring_size != self.size:
+            raise ValueError(
+                f"sequence parallelism of {self.name}: a Ulysses group of {self.ulysses_size} "
+                f"and a ring of {self.ring_size} ranks do not make the sequence group of "
+                f"{self.size} (optimization.parallel.sp_size * cp_size must be its size)."
+            )
         self.layout: SequenceLayout | None = None
         self.enabled = True
         # attention module -> its path, for error messages (read only when raising, so that
@@ -90,6 +112,13 @@ class SequenceParallel:
             return value  # broadcast over the sequence
         if self.layout is None:
             padded = padded_length(length, self.size)
+            if padded - length >= padded // self.ring_size:
+                raise ValueError(
+                    f"context parallelism: {where} of {self.name} has {length} tokens, too few "
+                    f"for {self.size} ranks with a ring of {self.ring_size}: padded to "
+                    f"{padded}, the last ring rank would hold padding only; lower "
+                    "optimization.parallel.cp_size (or sp_size), or use longer sequences."
+                )
             self.layout = SequenceLayout(length, padded, padded // self.size)
         elif self.layout.length != length:
             raise ValueError(
@@ -131,18 +160,25 @@ class _RestoreLayout(torch.autograd.Function):
 
 
 def apply_sequence_parallel(
-    model: nn.Module, plan: SequencePlan, group: dist.ProcessGroup
+    model: nn.Module,
+    plan: SequencePlan,
+    group: dist.ProcessGroup,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
 ) -> SequenceParallel:
     """Install ``plan`` on ``model`` for the ranks of ``group``; returns the model's state.
 
     Every rank of ``group`` must call the model with the same inputs; each gets the whole output.
+    Attention is Ulysses over ``ulysses_group`` (default: ``group``) and, with a
+    ``ring_group``, ring attention over it (:func:`litegen.parallel.mesh.sequence_groups`).
 
     Example::
 
         sp = apply_sequence_parallel(wan, plan_for(wan), mesh.get_group("sp"))
     """
     plan.check(model)
-    sp = SequenceParallel(model, group)
+    sp = SequenceParallel(model, group, ulysses_group, ring_group)
     modules = dict(model.named_modules())
     attention = {
         path: (module, layout)
@@ -151,10 +187,12 @@ def apply_sequence_parallel(
     }
     for path, (module, _) in attention.items():
         heads = getattr(module, "heads", None) or getattr(module, "num_heads", None)
-        if isinstance(heads, int) and heads % sp.size:
+        if isinstance(heads, int) and heads % sp.ulysses_size:
             raise ValueError(
-                f"optimization.parallel.sp_size={sp.size} must divide the attention heads of "
-                f"{sp.name}, but {path} has {heads}; pick an sp_size that divides {heads}."
+                f"optimization.parallel.sp_size={sp.ulysses_size} must divide the attention "
+                f"heads of {sp.name}, but {path} has {heads}; pick an sp_size that divides "
+                f"{heads} (and split the rest of the sequence with cp_size, which has no such "
+                "limit)."
             )
     # Registered first, so the model's own split hooks run after it.
     model.register_forward_pre_hook(lambda *_: sp.start_forward())
