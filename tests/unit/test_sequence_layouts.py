@@ -1,0 +1,63 @@
+"""Planning ``sp_size x cp_size``: which layouts a model's heads allow, what each communicates,
+and ``inspect-config --estimate`` showing them and refusing a Ulysses size the heads forbid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from litegen.parallel.sequence.layouts import AttentionShape, recommended, sequence_layouts
+from litegen_cli.app import app
+
+# Wan 2.1 1.3B: 30 blocks whose self-attention has 12 heads of 128.
+WAN_1_3B = [AttentionShape(f"blocks.{i}.attn1", heads=12, hidden=1536) for i in range(30)]
+DRY_RUN = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "sp_dry_run.yaml"
+
+
+def test_wan_1_3b_on_8_ranks_is_ulysses_4_times_ring_2():
+    layouts = sequence_layouts(WAN_1_3B, ranks=8, tokens=32760)
+    assert [(x.sp, x.cp, x.ok) for x in layouts] == [
+        (8, 1, False),
+        (4, 2, True),
+        (2, 4, True),
+        (1, 8, True),
+    ]
+    assert layouts[0].problem == "sp_size 8 does not divide the 12 heads of blocks.0.attn1"
+    best = recommended(layouts)
+    assert (best.sp, best.cp) == (4, 2)
+    # Every layout gives a rank 32760 / 8 tokens; they differ in what attention moves.
+    assert {x.tokens_per_rank for x in layouts} == {4095}
+
+
+def test_communication_per_step_follows_the_all_to_alls_and_the_ring_passes():
+    shape = AttentionShape("attn", heads=4, hidden=64)
+    by_layout = {(x.sp, x.cp): x for x in sequence_layouts([shape], 4, tokens=400, batch=2)}
+    unit = 2 * 100 * 64  # batch x tokens per rank x hidden
+    # Ulysses: q, k, v, out and their gradients, (sp - 1) / sp of each leaves the rank.
+    assert by_layout[4, 1].ulysses_elements == 8 * unit * 3 // 4
+    assert by_layout[4, 1].ring_elements == 0
+    # Ring of 4: k and v 3 times forward and backward, their gradients 4 times.
+    assert by_layout[1, 4].ring_elements == (2 * 3 + 2 * 3 + 2 * 4) * unit
+    assert by_layout[2, 2].ulysses_elements == 8 * unit // 2
+    assert by_layout[2, 2].ring_elements == 8 * unit
+
+
+def test_unknown_length_leaves_tokens_and_communication_out():
+    (layout,) = sequence_layouts([AttentionShape("attn", 2, 8)], ranks=1)
+    assert layout.tokens_per_rank is None and layout.ulysses_elements is None
+
+
+def test_inspect_config_estimate_refuses_sp_that_does_not_divide_the_heads(tmp_path):
+    # The tiny Wan has 2 heads: Ulysses 4 cannot split it, Ulysses 2 x ring 2 can.
+    args = ["launch.nproc_per_node=4", "optimization.parallel.sp_size=4"]
+    result = CliRunner().invoke(
+        app, ["inspect-config", str(DRY_RUN), *args, "--estimate"], env={"COLUMNS": "250"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "Sequence layouts of WanTransformer3DModel over 4 ranks per sample" in result.output
+    assert "recommended" in result.output
+    assert (
+        "field 'optimization.parallel.sp_size': sp_size 4 does not divide the 2 heads of "
+        "blocks.0.attn1 of WanTransformer3DModel; use sp_size: 2, cp_size: 2" in result.output
+    )
