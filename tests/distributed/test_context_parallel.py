@@ -7,7 +7,8 @@ Ulysses (``sp_size x cp_size``), computes what one process computes.
 - Diffusers' Wan, LTX-Video, HunyuanVideo and Flux at their tiny sizes: one step at
   ``cp_size=2`` (2 ranks) and at ``sp_size=2 x cp_size=2`` (4 ranks) gives the loss and the
   gradients of one process on the whole batch, with token counts that do not divide by the
-  group (padding). Flux has no LiteGen plan: it runs through diffusers' ``_cp_plan``.
+  group (padding). Flux has no LiteGen plan: it runs on the plan read from diffusers'
+  ``_cp_plan`` (the text left whole).
 - Training through the real loop at ``cp_size=2`` (ddp, checkpointing) equals dp only, and a
   run checkpoint written at ``cp_size=2`` resumes exactly at ``cp_size=1`` and the reverse.
 - A sequence too short for the ring (a rank would hold padding only) is refused by name.
@@ -26,19 +27,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from litegen_zoo.real_models import REAL_MODELS
+from litegen_zoo.real_models import REAL_MODELS, LatentShape
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_sequence_parallel import (
+    SHAPES,
     Samples,
     assert_same_run,
     assert_same_step,
-    batch_of,
     config_of,
 )
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("wan", "ltx_video", "hunyuan_video")
+MODELS = ("wan", "ltx_video", "hunyuan_video", "flux")
+# Token counts that leave padding at cp 2 or at sp 2 x cp 2: Wan 6, LTX-Video 9, HunyuanVideo
+# 3, Flux 9 (3 x 3 packed latent patches).
+CP_SHAPES = SHAPES | {"flux": LatentShape(6, 6, frames=1, text_tokens=6)}
 MODEL_CLASSES = [getattr(diffusers, REAL_MODELS[name].class_name) for name in MODELS]
 STEPS = 4
 GLOBAL_BATCH = 4
@@ -61,6 +65,12 @@ def gen_for(tmp: str, sp: int, cp: int, strategy: str = "ddp", steps: int = STEP
         "optimization": optimization | {"parallel": parallel},
     }
     return litegen.initialize(MainConfig.from_dict(config | fields))
+
+
+def batch_of(name: str, heads: int, batch_size: int) -> dict:
+    spec = REAL_MODELS[name]
+    config = spec.config("tiny") | config_of(name, heads)
+    return spec.batch("tiny", batch_size, 1, CP_SHAPES.get(name), config)
 
 
 def ring_primitive() -> dict:
@@ -256,3 +266,14 @@ def test_a_sequence_too_short_for_the_ring_is_refused(four):
     message = four[0]["too short"]
     assert "5 tokens, too few for 4 ranks with a ring of 4" in message
     assert "optimization.parallel.cp_size" in message
+
+
+def test_flux_plan_read_from_diffusers_cp_plan_keeps_the_text_whole():
+    from litegen.parallel.sequence import plan_for
+    from litegen.parallel.sequence.plan import Split
+
+    plan = plan_for(REAL_MODELS["flux"].build("tiny"))
+    # diffusers splits encoder_hidden_states and txt_ids too; LiteGen leaves them whole.
+    assert plan.split_inputs == {"": {"hidden_states": Split(1, 3), "img_ids": Split(0, 2)}}
+    assert plan.gather_outputs == {"proj_out": 1}
+    assert set(plan.attention.values()) == {"text_first"} and len(plan.attention) == 4
