@@ -1,4 +1,4 @@
-"""Ulysses attention: ``F.scaled_dot_product_attention`` on sequence shards, made exact.
+"""Ulysses and ring attention: ``F.scaled_dot_product_attention`` on sequence shards, made exact.
 
 Inside an attention module of the plan, query, key and value hold this rank's shard of the
 split tokens for all ``H`` heads: ``(B, H, S/N, D)``. One all-to-all turns them into all ``S``
@@ -12,9 +12,13 @@ kernel choice (``attention_context``) still applies to the call it makes, and th
 activation checkpointing runs again in backward is intercepted the same way. ``torch.compile``
 traces the mode and the all-to-alls into a compiled block's graph.
 
-Padding: a sequence that does not divide by ``N`` is padded at its end (``comm.shard``); the
-padding is cut off after the all-to-all, so attention never sees it, and put back (as zeros)
-before the reverse all-to-all.
+With a ring group (``cp_size > 1``), the all-to-all gives this rank all tokens of its ring
+chunk, and :func:`litegen.parallel.sequence.ring.ring_attention` attends them to every ring
+rank's chunk; text whole on every rank is one local block (ring.py).
+
+Padding: a sequence that does not divide by ``N`` is padded at its end (``comm.shard``). Ulysses
+alone cuts it off after the all-to-all, so attention never sees it, and puts it back (as zeros)
+before the reverse all-to-all; the ring cuts it off each chunk before its kernel.
 
 Example::
 
