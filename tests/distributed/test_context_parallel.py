@@ -9,7 +9,8 @@ Ulysses (``sp_size x cp_size``), computes what one process computes.
   gradients of one process on the whole batch, with token counts that do not divide by the
   group (padding). Flux has no LiteGen plan: it runs on the plan read from diffusers'
   ``_cp_plan`` (the text left whole).
-- Training through the real loop at ``cp_size=2`` (ddp, checkpointing) equals dp only, and a
+- Training through the real loop equals dp only: ``cp_size=2`` under ddp with checkpointing,
+  ``sp_size=2 x cp_size=2`` under fsdp2, ``cp_size=2`` under hsdp (two simulated nodes); and a
   run checkpoint written at ``cp_size=2`` resumes exactly at ``cp_size=1`` and the reverse.
 - A sequence too short for the ring (a rank would hold padding only) is refused by name.
 
@@ -208,6 +209,7 @@ def four_ranks(tmp: str) -> dict:
     out["ring"] = ring_primitive()
     out["dp4"] = train(f"{tmp}/dp4", 1, 1)
     out["fsdp2 sp2xcp2"] = train(f"{tmp}/fsdp2", 2, 2, "fsdp2")
+    out["hsdp cp2"] = train(f"{tmp}/hsdp", 1, 2, "hsdp")  # a ring per simulated node
     out["too short"] = too_short()
     return out
 
@@ -219,7 +221,8 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return run_ranks(four_ranks, 4, str(tmp_path_factory.mktemp("cp4")))
+    # Two simulated nodes of 2 ranks (hsdp needs 2).
+    return run_ranks(four_ranks, 4, str(tmp_path_factory.mktemp("cp4")), local_world_size=2)
 
 
 def assert_ring(result: dict) -> None:
@@ -258,8 +261,9 @@ def test_resume_across_context_parallel_sizes(two, source, cp):
     assert_same_run(two[0][f"resume {source} at cp{cp}"], two[0][source], first_step=2)
 
 
-def test_fsdp2_sp2_x_cp2_training_equals_dp4(four):
-    assert_same_run(four[0]["fsdp2 sp2xcp2"], four[0]["dp4"])
+@pytest.mark.parametrize("run", ["fsdp2 sp2xcp2", "hsdp cp2"])
+def test_data_parallel_times_context_parallel_equals_dp_only(four, run):
+    assert_same_run(four[0][run], four[0]["dp4"])
 
 
 def test_a_sequence_too_short_for_the_ring_is_refused(four):
