@@ -61,3 +61,41 @@ def test_inspect_config_estimate_refuses_sp_that_does_not_divide_the_heads(tmp_p
         "field 'optimization.parallel.sp_size': sp_size 4 does not divide the 2 heads of "
         "blocks.0.attn1 of WanTransformer3DModel; use sp_size: 2, cp_size: 2" in result.output
     )
+
+
+def estimate(*overrides: str):
+    from litegen_cli.estimate import estimate_recipe
+    from litegen_cli.recipe import load_recipe
+
+    shape = ("global_batch_size=1", "model.frames=8", "model.height=16", "model.width=16")
+    return estimate_recipe(load_recipe(DRY_RUN, [*shape, *overrides]))
+
+
+def test_the_estimate_counts_one_ranks_share_of_the_sequence():
+    whole = estimate("launch.nproc_per_node=1", "optimization.parallel.sp_size=1")
+    ulysses = estimate("launch.nproc_per_node=2", "optimization.parallel.sp_size=2")
+    ring = estimate(
+        "launch.nproc_per_node=2",
+        "optimization.parallel.sp_size=1",
+        "optimization.parallel.cp_size=2",
+    )
+    # 512 tokens, half a rank's: the blocks' activations halve, beside what is not split.
+    assert ring.activations == ulysses.activations
+    assert 0.4 * whole.activations < ulysses.activations < 0.6 * whole.activations
+
+
+def test_one_ranks_share_runs_joint_attention_with_its_mask_cut_to_its_keys():
+    """HunyuanVideo's mask covers [video, text]: one rank's share attends its video and the text."""
+    import torch
+
+    from litegen.parallel.sequence import plan_for
+    from litegen.parallel.sequence.apply import one_rank_share
+    from litegen_zoo.real_models import REAL_MODELS
+
+    spec = REAL_MODELS["hunyuan_video"]
+    model = spec.build("tiny")
+    batch = spec.batch("tiny", 1, 0, None, spec.config("tiny"))
+    whole = spec.loss(model, batch)
+    one_rank_share(model, plan_for(model), 2)
+    share = spec.loss(model, batch)  # the share's output, padded back: a finite loss
+    assert torch.isfinite(share) and share.shape == whole.shape

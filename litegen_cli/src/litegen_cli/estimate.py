@@ -6,8 +6,10 @@ The entry's ``build(config)`` runs under ``torch.device("meta")`` with ``runtime
 billions of parameters costs no memory and seconds. The trained model gets the changes
 ``prepare`` makes to its stored weights (:func:`litegen.memory.peak_estimate.prepare_for_estimate`),
 one micro-batch of the entry's dataset moves to meta, and the entry's ``train_step`` drives the
-forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts. docs/memory.md says
-what is counted and what is not.
+forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts; with
+``sp_size * cp_size`` above 1 that forward is one rank's share of the sequence
+(:func:`litegen.parallel.sequence.apply.one_rank_share`). docs/memory.md says what is counted
+and what is not.
 
 Run it without the CLI as ``python -m litegen_cli.estimate RECIPE [KEY=VALUE ...]``.
 """
@@ -136,12 +138,19 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
     from litegen.trainer.hooks import keyword_filter
 
     config = recipe.config
-    dp_size = derive_plan(recipe).dp_size
+    run_plan = derive_plan(recipe)
+    dp_size = run_plan.dp_size
     on_meta = on_meta or _build_on_meta(recipe)
     module, built, names, kinds = on_meta.module, on_meta.built, on_meta.names, on_meta.kinds
     models, trained, index = on_meta.models, on_meta.trained, on_meta.index
     optimizer = next((built[n] for n, o in on_meta.owners.items() if o == index), None)
     model = prepare_for_estimate(models[index], optimizer, config.optimization)
+    sharing = run_plan.sp_size * run_plan.cp_size
+    if sharing > 1:  # count one rank's share of the sequence, as the ranks will hold it
+        from litegen.parallel.sequence import plan_for
+        from litegen.parallel.sequence.apply import one_rank_share
+
+        one_rank_share(model, plan_for(model), sharing)
     frozen = _frozen_weight_bytes(
         [m for m, t in zip(models, trained, strict=True) if not t], config.optimization
     )

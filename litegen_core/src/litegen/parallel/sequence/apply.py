@@ -28,9 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from litegen.parallel.sequence.attention import STATE, sharded_attention_class
+from litegen.parallel.sequence.attention import (
+    STATE,
+    one_rank_attention,
+    sharded_attention_class,
+)
 from litegen.parallel.sequence.comm import gather, padded_length, shard
 from litegen.parallel.sequence.plan import SequencePlan, Split, as_split, matching
 
@@ -159,6 +164,40 @@ class _RestoreLayout(torch.autograd.Function):
         return grad, None, None
 
 
+class OneRankShare(SequenceParallel):
+    """The first rank's share of a sequence split over ``size`` ranks, computed by one process
+    alone: the split keeps its tokens, the gather pads them back to the sequence's length, and
+    attention runs on them (:func:`.attention.one_rank_attention`). For counting a rank's
+    memory on meta (``inspect-config --estimate``); its outputs are not the model's."""
+
+    def __init__(self, model: nn.Module, size: int) -> None:
+        self.name = type(model).__name__
+        self.group = self.ulysses_group = self.ring_group = None
+        self.size, self.rank = size, 0
+        self.ulysses_size, self.ulysses_rank, self.ring_size = 1, 0, 1
+        self.layout = None
+        self.enabled = True
+        self.paths = weakref.WeakKeyDictionary()
+        self.attention = one_rank_attention
+
+    def gather(self, value: torch.Tensor, dim: int, where: str) -> torch.Tensor:
+        layout = self.current_layout(where)
+        dim %= value.dim()
+        pad = [0, 0] * (value.dim() - 1 - dim) + [0, layout.padded - layout.local]
+        return F.pad(value, pad).narrow(dim, 0, layout.length)
+
+
+def one_rank_share(model: nn.Module, plan: SequencePlan, size: int) -> SequenceParallel:
+    """Install ``plan`` on ``model`` as the first of ``size`` ranks computing alone
+    (:class:`OneRankShare`).
+
+    Example::
+
+        one_rank_share(wan_on_meta, plan_for(wan_on_meta), 8)  # then count its forward
+    """
+    return _install(model, plan, OneRankShare(model, size))
+
+
 def apply_sequence_parallel(
     model: nn.Module,
     plan: SequencePlan,
@@ -177,8 +216,11 @@ def apply_sequence_parallel(
 
         sp = apply_sequence_parallel(wan, plan_for(wan), mesh.get_group("sp"))
     """
+    return _install(model, plan, SequenceParallel(model, group, ulysses_group, ring_group))
+
+
+def _install(model: nn.Module, plan: SequencePlan, sp: SequenceParallel) -> SequenceParallel:
     plan.check(model)
-    sp = SequenceParallel(model, group, ulysses_group, ring_group)
     modules = dict(model.named_modules())
     attention = {
         path: (module, layout)
@@ -312,9 +354,11 @@ def compile_context() -> AbstractContextManager:
 
 
 __all__ = [
+    "OneRankShare",
     "SequenceLayout",
     "SequenceParallel",
     "apply_sequence_parallel",
     "compile_context",
+    "one_rank_share",
     "sequence_parallel_off",
 ]

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 
 class _UlyssesMode(TorchFunctionMode):
-    """Reroutes each ``F.scaled_dot_product_attention`` call to :func:`ulysses_attention`."""
+    """Reroutes each ``F.scaled_dot_product_attention`` call to :func:`ulysses_attention` (or
+    to ``sp.attention``: :func:`one_rank_attention` for a rank's share counted alone)."""
 
     def __init__(self, sp: SequenceParallel, layout: str, module: nn.Module) -> None:
         super().__init__()
@@ -60,7 +61,8 @@ class _UlyssesMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-            return ulysses_attention(func, self.sp, self.layout, self.module, *args, **kwargs)
+            attention = getattr(self.sp, "attention", ulysses_attention)
+            return attention(func, self.sp, self.layout, self.module, *args, **kwargs)
         name = getattr(func, "__name__", "")
         if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
             # A tensor method, called as one: Dynamo traces ``x.unflatten(...)`` into the graph,
@@ -232,6 +234,39 @@ def _ring(sp, module, video, texts, mask, text_first, dropout_p, scale, rest):
     return out.narrow(2, 0, chunk), (out.narrow(2, chunk, text) if texts else None)
 
 
+def one_rank_attention(
+    sdpa: Callable,
+    sp: SequenceParallel,
+    layout: str,
+    module: nn.Module,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Attention of one rank's split tokens (and the whole text) alone, with no collective: the
+    rank's tensors have the sizes Ulysses and the ring give it (tokens / N for every head, or
+    every token for heads / N), so counting its memory on meta needs no group. The mask, built
+    over the whole sequence, is cut to the keys the call has."""
+    query, key, value, mask, dropout_p, is_causal, scale, rest = _sdpa_arguments(*args, **kwargs)
+    if mask is not None and mask.shape[-1] != key.shape[-2]:
+        seq = sp.current_layout(module)
+        text = key.shape[-2] - seq.local
+        if layout == "text_first":
+            mask = mask.narrow(-1, 0, text + seq.local)
+        else:  # [video, text]: this rank's first tokens, then the text after the whole video
+            whole = mask.shape[-1] - text
+            mask = torch.cat([mask.narrow(-1, 0, seq.local), mask.narrow(-1, whole, text)], -1)
+    return sdpa(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        **rest,
+    )
+
+
 def _own_heads(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     """This rank's head group of a (batch, heads, tokens, dim) tensor that every rank holds."""
     heads = x.shape[1] // n
@@ -273,4 +308,4 @@ def _local_mask(
     return mask
 
 
-__all__ = ["STATE", "sharded_attention_class", "ulysses_attention"]
+__all__ = ["STATE", "one_rank_attention", "sharded_attention_class", "ulysses_attention"]
