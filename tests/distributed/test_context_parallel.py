@@ -12,6 +12,7 @@ Ulysses (``sp_size x cp_size``), computes what one process computes.
 - Training through the real loop equals dp only: ``cp_size=2`` under ddp with checkpointing,
   ``sp_size=2 x cp_size=2`` under fsdp2, ``cp_size=2`` under hsdp (two simulated nodes); and a
   run checkpoint written at ``cp_size=2`` resumes exactly at ``cp_size=1`` and the reverse.
+- Compiled, checkpointed blocks at ``cp_size=2`` (aot_eager) train as dp only.
 - A sequence too short for the ring (a rank would hold padding only) is refused by name.
 
 fp32 throughout: the ring changes only the order of sums (tolerances as in
@@ -189,6 +190,22 @@ def too_short() -> str:
     return ""
 
 
+def compiled(tmp: str) -> dict:
+    """cp 2 with compiled, checkpointed blocks (aot_eager): the ring runs between graphs."""
+    import functools
+
+    import litegen.compile
+
+    real = litegen.compile.compile_blocks
+    litegen.compile.compile_blocks = functools.partial(real, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        memory = {"activation_checkpoint": {"enabled": True, "selective_ratio": 0.0}}
+        return train(tmp, 1, 2, optimization={"compile": {"enabled": True}, "memory": memory})
+    finally:
+        litegen.compile.compile_blocks = real
+
+
 def two_ranks(tmp: str) -> dict:
     out = {f"cp2/{name}": one_step(name, 1, 2) for name in MODELS}
     out["ring"] = ring_primitive()  # on the process group the steps started
@@ -201,6 +218,7 @@ def two_ranks(tmp: str) -> dict:
         out[f"resume {source} at cp{cp}"] = train(
             f"{tmp}/resume{cp}", 1, cp, trainer={"resume_run": f"{tmp}/{source}/ckpt/step_2"}
         )
+    out["cp2/compile"] = compiled(f"{tmp}/compile")
     return out
 
 
@@ -254,6 +272,10 @@ def test_sp2_x_cp2_step_equals_one_process(four, name):
 
 def test_cp2_training_with_checkpointing_equals_dp2(two):
     assert_same_run(two[0]["cp2"], two[0]["dp2"])
+
+
+def test_cp2_with_compiled_blocks_equals_dp2(two):
+    assert_same_run(two[0]["cp2/compile"], two[0]["dp2"])
 
 
 @pytest.mark.parametrize(("source", "cp"), [("cp2", 1), ("dp2", 2)])
