@@ -99,3 +99,15 @@ def test_one_ranks_share_runs_joint_attention_with_its_mask_cut_to_its_keys():
     one_rank_share(model, plan_for(model), 2)
     share = spec.loss(model, batch)  # the share's output, padded back: a finite loss
     assert torch.isfinite(share) and share.shape == whole.shape
+
+
+def test_inspect_config_estimate_refuses_cp_for_a_model_without_a_sequence_plan():
+    args = ["launch.nproc_per_node=2", "model.name=sd3"]
+    args += ["optimization.parallel.sp_size=1", "optimization.parallel.cp_size=2"]
+    result = CliRunner().invoke(
+        app, ["inspect-config", str(DRY_RUN), *args, "--estimate"], env={"COLUMNS": "250"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "sp_size or cp_size > 1 needs a sequence-parallel plan for SD3Transformer2DModel" in (
+        result.output
+    )

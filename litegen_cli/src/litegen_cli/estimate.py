@@ -274,7 +274,8 @@ def print_estimate(recipe: Recipe, device_gib: float | None) -> int:
         device_gib = recipe.config.optimization.memory.activation_checkpoint.memory_budget_gib
     console.print(estimate_table(estimate, device_gib))
     if layouts is not None:
-        console.print(layouts_table(layouts))
+        if layouts.layouts:
+            console.print(layouts_table(layouts))
         if layouts.problem:
             print_error("Bad input", [layouts.problem])
             return EXIT_BAD_INPUT

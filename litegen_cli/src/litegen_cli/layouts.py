@@ -31,13 +31,13 @@ class LayoutReport:
     element_bytes: int
     layouts: list[Any]
     chosen: tuple[int, int]  # the recipe's (sp_size, cp_size)
-    recommended: Any
+    recommended: Any  # None when the model has no sequence plan
     problem: str  # the recipe's layout does not fit the model; "" when it does
 
 
 def layout_report(model: Any, recipe: Recipe) -> LayoutReport | None:
-    """The layouts of ``model`` for ``recipe``, or None when the model has no sequence plan
-    (and the recipe does not split the sequence).
+    """The layouts of ``model`` for ``recipe``; None when the model has no sequence plan and
+    the recipe does not split the sequence (a report with only the problem when it does).
 
     Example::
 
@@ -53,8 +53,11 @@ def layout_report(model: Any, recipe: Recipe) -> LayoutReport | None:
     ranks = chosen[0] * chosen[1] if chosen != (1, 1) else plan.world_size
     try:
         shapes = attention_shapes(model)
-    except ValueError:  # no plan: prepare refuses sp/cp > 1 with its own message
-        return None
+    except ValueError as err:  # no plan: prepare would refuse sp/cp > 1 with this message
+        if chosen == (1, 1):
+            return None
+        problem = str(err).rstrip(".")
+        return LayoutReport(type(model).__name__, ranks, None, 4, [], chosen, None, problem)
     if ranks == 1 or not shapes:
         return None
     tokens = config.trainer.tokens_per_sample
