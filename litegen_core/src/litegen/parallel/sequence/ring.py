@@ -36,7 +36,12 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class RingSpec:
     """One ring attention call: the group, the real tokens of each rank's chunk (its keys are
-    padded to the longest), the key mask of each chunk and of the local keys, the scale."""
+    padded to the longest), the key mask of each chunk and of the local keys, the scale.
+
+    Example::
+
+        RingSpec(group, lengths=(4, 3))  # 7 tokens over 2 ranks, the second chunk padded
+    """
 
     group: dist.ProcessGroup
     lengths: tuple[int, ...]
@@ -49,6 +54,12 @@ class Kernel:
     """One block of attention that returns its log-sum-exp, and that block's backward.
 
     Inputs are ``(B, H, S, D)``; a mask is additive, broadcastable to ``(B, H, Sq, Sk)``.
+
+    Example:
+        >>> q = torch.randn(1, 2, 5, 8)
+        >>> out, lse, _ = Kernel(q, masked=False).forward(q, q, q, None, None)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 2, 5, 8]), torch.Size([1, 2, 5]))
     """
 
     def __init__(self, query: torch.Tensor, masked: bool) -> None:
@@ -240,8 +251,8 @@ def ring_attention(
     local_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` (``(B, H, Sq, D)``) over every ring rank's ``key``/``value``
-    chunk (``(B, H, C, D)``, the first ``spec.lengths[r]`` tokens of rank ``r``'s real) and
-    over ``local_key``/``local_value``, which every rank holds whole.
+    chunk (``(B, H, C, D)``, of which rank ``r``'s first ``spec.lengths[r]`` tokens are real)
+    and over ``local_key``/``local_value``, which every rank holds whole.
 
     Compiled blocks run it outside their graph (torch's ring is Python with collectives).
 
@@ -256,7 +267,12 @@ def ring_attention(
 
 
 def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True: attend) as the additive one the fused kernels take."""
+    """A boolean mask (True: attend) as the additive one the fused kernels take.
+
+    Example:
+        >>> additive_mask(torch.tensor([True, False]), torch.float32)
+        tensor([0., -inf])
+    """
     if mask is None or mask.dtype != torch.bool:
         return None if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
@@ -277,7 +293,12 @@ def chunk_lengths(length: int, chunk: int, size: int) -> tuple[int, ...]:
 def chunk_masks(
     mask: torch.Tensor | None, at: int, chunk: int, lengths: Sequence[int]
 ) -> tuple[torch.Tensor | None, ...] | None:
-    """Each chunk's columns of a key ``mask`` whose split tokens start at column ``at``."""
+    """Each chunk's columns of a key ``mask`` whose split tokens start at column ``at``.
+
+    Example:
+        >>> [m.tolist() for m in chunk_masks(torch.arange(9.0), 2, 4, (4, 3))]
+        [[2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
+    """
     if mask is None:
         return None
     return tuple(mask.narrow(-1, at + r * chunk, n) for r, n in enumerate(lengths))
