@@ -1,9 +1,10 @@
-"""Sequence parallelism on Wan 2.1 1.3B: the longest trainable video and tokens/s/GPU per sp size.
+"""Sequence parallelism on Wan 2.1 1.3B: the longest trainable video and tokens/s/GPU per
+layout, Ulysses ``sp`` x ring ``cp``.
 
 Every cell is one ``litegen launch`` of ``sp_dry_run.yaml`` (the entry ``real_model_entry.py``,
-random weights, synthetic latents) with fsdp2 over the data-parallel dimension and Ulysses over
-``sp`` ranks, one sample per sp group (so ``nproc_per_node = sp``), bf16 autocast, blocks
-compiled. Memory settings: ``none`` (no checkpointing), ``full`` (every block checkpointed),
+random weights, synthetic latents) with fsdp2 over the data-parallel dimension, Ulysses over
+``sp`` ranks and ring attention over ``cp``, one sample per group (so ``nproc_per_node = sp x
+cp``), bf16 autocast, blocks compiled. A layout is ``4`` (Ulysses alone) or ``4x2``. Memory settings: ``none`` (no checkpointing), ``full`` (every block checkpointed),
 ``offload`` (every block checkpointed, activations offloaded).
 
 - Longest: latent frames of 60 x 104 (480p; ``--height/--width`` for 720p: 90 x 160) grow by
@@ -14,6 +15,8 @@ compiled. Memory settings: ``none`` (no checkpointing), ``full`` (every block ch
   does not fit).
 
     python3 -m scripts.bench.bench_sp --sp 1,2,4,8 --out sp_grid.json                     # 8 GPUs
+    python3 -m scripts.bench.bench_sp --sp 2,1x2,4,2x2,1x4,4x2,2x4,1x8 --memory full,offload \
+        --out cp_grid.json                              # 8 GPUs: Ulysses, ring and both, 2 to 8
     python3 -m scripts.bench.bench_sp --sp 1 --memory full --skip-longest                  # 1 GPU
     uv run --locked python -m scripts.bench.bench_sp --device cpu --tiny --sp 1,2 --max-frames 8
 
@@ -54,15 +57,19 @@ class Launcher:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args, self.work, self.runs = args, work, 0
 
-    def overrides(self, sp: int, memory: str, frames: int, shape: tuple[int, int]) -> list[str]:
+    def overrides(
+        self, layout: tuple[int, int], memory: str, frames: int, shape: tuple[int, int]
+    ) -> list[str]:
         args = self.args
         cuda = args.device == "cuda"
         height, width = shape
+        sp, cp = layout
         return [
             f"runtime.device={args.device}",
             f"runtime.distributed.backend={'nccl' if cuda else 'gloo'}",
-            f"launch.nproc_per_node={sp}",
+            f"launch.nproc_per_node={sp * cp}",
             f"optimization.parallel.sp_size={sp}",
+            f"optimization.parallel.cp_size={cp}",
             "global_batch_size=1",
             f"model.size={'tiny' if args.tiny else 'reference'}",
             f"model.frames={frames}",
@@ -104,14 +111,14 @@ def tokens(frames: int, shape: tuple[int, int]) -> int:
     return frames * (shape[0] // 2) * (shape[1] // 2)
 
 
-def throughput(records: list[dict[str, Any]], warmup: int, sp: int) -> dict[str, float | None]:
+def throughput(records: list[dict[str, Any]], warmup: int, gpus: int) -> dict[str, float | None]:
     """Median tokens/s/GPU and MFU over the records after ``warmup`` steps."""
     kept = [r for r in records if r["step"] > warmup and r.get("tokens_per_s")]
     if not kept:
         return {"tokens_per_s_per_gpu": None, "mfu": None}
     mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
     return {
-        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] for r in kept) / sp,
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] for r in kept) / gpus,
         "mfu": statistics.median(mfu) if mfu else None,
     }
 
@@ -119,15 +126,19 @@ def throughput(records: list[dict[str, Any]], warmup: int, sp: int) -> dict[str,
 def run_grid(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     launcher = Launcher(args, work)
     rows = []
-    for sp in args.sp:
+    for layout in args.sp:
         for memory in args.memory:
-            row: dict[str, Any] = {"sp": sp, "memory": memory}
+            label = f"{layout[0]}x{layout[1]}" if layout[1] > 1 else str(layout[0])
+            row: dict[str, Any] = {"sp": label, "memory": memory}
             if not args.skip_longest:
                 shape = latent_shape(args, args.longest_shape)
 
-                def fits(frames: int, sp=sp, memory=memory, shape=shape) -> bool:
-                    ok, _, _ = launcher.run(launcher.overrides(sp, memory, frames, shape), 2)
-                    print(f"   sp={sp} {memory}: {frames} frames {'fits' if ok else 'no'}")
+                def fits(frames: int, layout=layout, memory=memory, shape=shape) -> bool:
+                    ok, _, _ = launcher.run(launcher.overrides(layout, memory, frames, shape), 2)
+                    print(
+                        f"   sp={layout[0]} cp={layout[1]} {memory}: {frames} frames "
+                        f"{'fits' if ok else 'no'}"
+                    )
                     return ok
 
                 frames = longest(fits, args.start_frames, args.frame_step, args.max_frames)
@@ -135,9 +146,9 @@ def run_grid(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             for name in args.throughput:
                 shape = latent_shape(args, name)
                 frames = 3 if args.tiny else THROUGHPUT_FRAMES
-                overrides = launcher.overrides(sp, memory, frames, shape)
+                overrides = launcher.overrides(layout, memory, frames, shape)
                 ok, records, _ = launcher.run(overrides, args.warmup + args.steps)
-                figures = throughput(records, args.warmup, sp) if ok else {}
+                figures = throughput(records, args.warmup, layout[0] * layout[1]) if ok else {}
                 row[f"{name}_tokens"] = tokens(frames, shape)
                 row[f"{name}_tokens_per_s_per_gpu"] = figures.get("tokens_per_s_per_gpu")
                 row[f"{name}_mfu"] = figures.get("mfu")
@@ -165,9 +176,17 @@ def print_row(row: dict[str, Any], header: bool, args: argparse.Namespace) -> No
     print(" ".join(_cell(row.get(c), max(8, len(c))) for c in columns), flush=True)
 
 
+def parse_layout(text: str) -> tuple[int, int]:
+    """``"4"`` -> ``(4, 1)``, ``"4x2"`` -> ``(4, 2)``: Ulysses size, ring size."""
+    sp, _, cp = text.partition("x")
+    return int(sp), int(cp or 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sp", default="1,2,4,8", help="sp sizes (Wan 1.3B: divisors of 12)")
+    parser.add_argument(
+        "--sp", default="1,2,4,8", help="layouts: sp (Ulysses, a divisor of 12) or SPxCP (ring)"
+    )
     parser.add_argument("--memory", default="none,full,offload", help=", ".join(MEMORY))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny Wan (CPU dry run)")
@@ -183,7 +202,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="kept; default a temporary one")
     parser.add_argument("--out", type=Path, default=None, help="the rows as JSON")
     args = parser.parse_args()
-    args.sp = [int(s) for s in args.sp.split(",")]
+    args.sp = [parse_layout(s) for s in args.sp.split(",")]
     args.memory = [m for m in args.memory.split(",") if m]
     args.throughput = [t for t in args.throughput.split(",") if t]
     for name in [*args.memory, *args.throughput]:

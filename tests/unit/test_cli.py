@@ -210,6 +210,21 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
     assert "tokens per rank" in out and "16381 (trainer.tokens_per_sample / sp" in out
 
 
+def test_inspect_config_shows_the_ulysses_times_ring_mesh(tmp_path):
+    overrides = (
+        "optimization.parallel.sp_size=2",
+        "optimization.parallel.cp_size=2",
+        "trainer.tokens_per_sample=32761",
+    )
+    result = invoke("inspect-config", write_recipe(tmp_path), "launch.nproc_per_node=8", *overrides)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    # 8 ranks as 2 samples' groups of 2 (ring) x 2 (Ulysses): 8 / (2 * 2) per micro-step.
+    assert "mesh (dp, cp, sp)" in out and "(2, 2, 2)" in out
+    assert "2 (global / (dp * grad_accum))" in out
+    assert "8191 (trainer.tokens_per_sample / (sp * cp)" in out
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -219,8 +234,13 @@ def test_inspect_config_shows_the_sequence_parallel_mesh(tmp_path):
             "fsdp1 has no sequence-parallel layout",
         ),
         (
-            ["optimization.parallel.cp_size=2"],
-            "'optimization.parallel.cp_size': ring attention is reserved",
+            ["optimization.parallel.sp_size=2", "optimization.parallel.cp_size=2"],
+            "'optimization.parallel.cp_size': sp_size 2 * cp_size 2 = 4 does not divide the "
+            "world size 2",
+        ),
+        (
+            ["optimization.parallel.cp_size=2", "optimization.parallel.strategy=fsdp1"],
+            "fsdp1 has no sequence-parallel layout for ring attention",
         ),
     ],
 )

@@ -126,7 +126,8 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
     ("overrides", "expected"),
     [
         (["optimization.parallel.strategy=hsdp"], "'hsdp' replicates across nodes and needs launch.nnodes >= 2"),
-        (["optimization.parallel.cp_size=2"], "field 'optimization.parallel.cp_size': ring attention is reserved"),
+        (["optimization.parallel.cp_size=3"], "field 'optimization.parallel.cp_size': sp_size 1 * cp_size 3 = 3 does not divide the world size"),
+        (["optimization.parallel.cp_size=2", "optimization.parallel.strategy=fsdp1"], "fsdp1 has no sequence-parallel layout for ring attention"),
         (["optimization.parallel.strategy=zero2", "optimization.parallel.zero1.parameter_sync=native"], "zero2 needs 'bucketed'"),
         (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp2_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
         (["optimization.optimizer.backend=fused"], "'fused' needs CUDA parameters"),

@@ -162,10 +162,11 @@ def test_memory_budget_policy_needs_compile(tmp_path):
         make_gen(tmp_path, optimization={"memory": memory})  # refused with the config
 
 
-def test_reserved_parallel_degrees_raise(tmp_path):
+def test_context_parallel_size_must_divide_the_world(tmp_path):
     with pytest.raises(
-        NotImplementedError,
-        match=r"cp_size': ring attention is reserved.*\(cp_size 2\).*split long sequences with sp_size",
+        ValueError,
+        match=r"cp_size': sp_size 1 \* cp_size 2 = 2 does not divide the world size 1 .*launch "
+        r"a multiple of 2 ranks, or change sp_size or cp_size",
     ):
         make_gen(tmp_path, optimization={"parallel": {"cp_size": 2}})
 

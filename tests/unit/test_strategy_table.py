@@ -84,9 +84,15 @@ def test_options_a_strategy_ignores_come_from_the_rows():
 
 def test_job_shape_rules_name_the_field_and_the_fix():
     assert job_shape_problems(world_size=4, nnodes=1, strategy=TABLE[0].name, sp_size=2) == []
-    (cp, sp) = job_shape_problems(world_size=3, nnodes=1, sp_size=2, cp_size=2)
-    assert (cp.field, cp.error) == ("optimization.parallel.cp_size", NotImplementedError)
+    assert job_shape_problems(world_size=8, nnodes=1, sp_size=4, cp_size=2) == []
+    (sp,) = job_shape_problems(world_size=3, nnodes=1, sp_size=2)
     assert str(sp).startswith("field 'optimization.parallel.sp_size': 2 does not divide")
+    # sp divides the world, sp * cp does not: cp is the field to change.
+    (cp,) = job_shape_problems(world_size=6, nnodes=1, sp_size=2, cp_size=2)
+    assert (cp.field, cp.error) == ("optimization.parallel.cp_size", ValueError)
+    assert "sp_size 2 * cp_size 2 = 4 does not divide the world size 6" in cp.text
+    (both,) = job_shape_problems(world_size=3, nnodes=1, sp_size=2, cp_size=2)
+    assert both.field == "optimization.parallel.sp_size"
     for row in TABLE:
         enough = job_shape_problems(world_size=4, nnodes=row.min_nodes, strategy=row.name)
         assert enough == []

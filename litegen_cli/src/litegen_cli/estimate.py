@@ -1,12 +1,15 @@
-"""`litegen inspect-config RECIPE --estimate`: one step's peak device memory, estimated on meta.
+"""`litegen inspect-config RECIPE --estimate`: one step's peak device memory, estimated on meta,
+and the sequence layouts (``sp_size x cp_size``) the trained model can take.
 
 The entry's ``build(config)`` runs under ``torch.device("meta")`` with ``runtime.device`` set to
 ``meta`` (an entry honours it by building on meta and reading no weights), so even a model of
 billions of parameters costs no memory and seconds. The trained model gets the changes
 ``prepare`` makes to its stored weights (:func:`litegen.memory.peak_estimate.prepare_for_estimate`),
 one micro-batch of the entry's dataset moves to meta, and the entry's ``train_step`` drives the
-forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts. docs/memory.md says
-what is counted and what is not.
+forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts; with
+``sp_size * cp_size`` above 1 that forward is one rank's share of the sequence
+(:func:`litegen.parallel.sequence.apply.one_rank_share`). docs/memory.md says what is counted
+and what is not.
 
 Run it without the CLI as ``python -m litegen_cli.estimate RECIPE [KEY=VALUE ...]``.
 """
@@ -64,8 +67,23 @@ def estimate_recipe(recipe: Recipe) -> Any:
         est = estimate_recipe(load_recipe("scripts/bench/sp_dry_run.yaml"))
         est.peak / 2**30
     """
+    return estimate_with_layouts(recipe)[0]
+
+
+def estimate_with_layouts(recipe: Recipe) -> tuple[Any, Any]:
+    """:func:`estimate_recipe`, and the trained model's sequence layouts
+    (:func:`litegen_cli.layouts.layout_report`; None when the model has no sequence plan).
+
+    Example::
+
+        estimate, layouts = estimate_with_layouts(load_recipe("scripts/bench/sp_dry_run.yaml"))
+    """
+    from litegen_cli.layouts import layout_report
+
     try:
-        return _estimate(recipe)
+        on_meta = _build_on_meta(recipe)
+        layouts = layout_report(on_meta.models[on_meta.index], recipe)
+        return _estimate(recipe, on_meta), layouts
     except EstimateError:
         raise
     except ValueError as err:  # bad input (a folder, the data, the cache): the user's to fix
@@ -79,16 +97,27 @@ def estimate_recipe(recipe: Recipe) -> Any:
         ) from None
 
 
-def _estimate(recipe: Recipe) -> Any:
+@dataclasses.dataclass
+class _OnMeta:
+    """The entry's parts built on meta, and which model is trained."""
+
+    module: Any
+    built: dict[str, Any]
+    names: list[str]
+    kinds: dict[str, str]
+    models: list[Any]
+    trained: list[bool]
+    index: int
+    owners: dict[str, int]
+
+
+def _build_on_meta(recipe: Recipe) -> _OnMeta:
     import torch
 
     from litegen.entry import load_entry, parts_to_prepare
-    from litegen.memory.peak_estimate import estimate_peak, prepare_for_estimate
     from litegen.runtime.prepare import kind_of, owner_of, trained_models
-    from litegen.trainer.hooks import keyword_filter
 
     config = recipe.config
-    dp_size = derive_plan(recipe).dp_size
     config.runtime.device = "meta"  # not validated on assignment: entries read it to build on meta
     module = load_entry(recipe.launch.entry, recipe.base_dir)
     with torch.device("meta"):
@@ -101,9 +130,29 @@ def _estimate(recipe: Recipe) -> Any:
     trained = trained_models(models, owners.values())
     if not any(trained):
         raise EstimateError("the entry's build(config) returns no trained model to estimate.")
-    index = trained.index(True)
-    optimizer = next((built[n] for n, o in owners.items() if o == index), None)
+    return _OnMeta(module, built, names, kinds, models, trained, trained.index(True), owners)
+
+
+def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
+    import torch
+
+    from litegen.memory.peak_estimate import estimate_peak, prepare_for_estimate
+    from litegen.trainer.hooks import keyword_filter
+
+    config = recipe.config
+    run_plan = derive_plan(recipe)
+    dp_size = run_plan.dp_size
+    on_meta = on_meta or _build_on_meta(recipe)
+    module, built, names, kinds = on_meta.module, on_meta.built, on_meta.names, on_meta.kinds
+    models, trained, index = on_meta.models, on_meta.trained, on_meta.index
+    optimizer = next((built[n] for n, o in on_meta.owners.items() if o == index), None)
     model = prepare_for_estimate(models[index], optimizer, config.optimization)
+    sharing = run_plan.sp_size * run_plan.cp_size
+    if sharing > 1:  # count one rank's share of the sequence, as the ranks will hold it
+        from litegen.parallel.sequence import plan_for
+        from litegen.parallel.sequence.apply import one_rank_share
+
+        one_rank_share(model, plan_for(model), sharing)
     frozen = _frozen_weight_bytes(
         [m for m, t in zip(models, trained, strict=True) if not t], config.optimization
     )
@@ -215,16 +264,23 @@ def print_estimate(recipe: Recipe, device_gib: float | None) -> int:
 
         raise typer.Exit(print_estimate(load_recipe("recipe.yaml"), device_gib=140))
     """
+    from litegen_cli.layouts import layouts_table
     from litegen_cli.render import console, print_error
 
     try:
-        estimate = estimate_recipe(recipe)
+        estimate, layouts = estimate_with_layouts(recipe)
     except EstimateError as err:
         print_error("Cannot estimate the peak memory", [str(err)])
         return EXIT_BAD_INPUT
     if device_gib is None:
         device_gib = recipe.config.optimization.memory.activation_checkpoint.memory_budget_gib
     console.print(estimate_table(estimate, device_gib))
+    if layouts is not None:
+        if layouts.layouts:
+            console.print(layouts_table(layouts))
+        if layouts.problem:
+            print_error("Bad input", [layouts.problem])
+            return EXIT_BAD_INPUT
     return 0
 
 

@@ -1,9 +1,10 @@
-"""The derived run plan: world size, the (data-parallel x sequence-parallel) mesh, per-rank
+"""The derived run plan: world size, the (data-parallel x ring x Ulysses) mesh, per-rank
 micro batch and sequence length.
 
 Computed from the recipe alone (no torch, no process group), so a bad batch size or degree is
 caught by `inspect-config` and by `launch` before any rank starts. The attention heads belong to
-the model the entry builds, so that sp_size divides them is checked by `prepare`.
+the model the entry builds, so that sp_size divides them is checked by `prepare`, and by
+`inspect-config --estimate`, which builds the model on meta (:mod:`litegen_cli.estimate`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class RunPlan:
     device: str
     memory: str = "off"  # activation checkpointing and offload, in words
     weights: str = "on the device, in their dtype"  # parameter offload and fp8, in words
-    # Tokens each rank holds of a sample's sequence (trainer.tokens_per_sample / sp, rounded
-    # up: the sequence is padded to a multiple of sp); None when tokens_per_sample is unset.
+    # Tokens each rank holds of a sample's sequence (trainer.tokens_per_sample / (sp * cp),
+    # rounded up: the sequence is padded to a multiple of sp * cp); None when unset.
     tokens_per_rank: int | None = None
+    cp_size: int = 1
 
 
 def _get(section: Any, name: str, default: Any) -> Any:
@@ -73,6 +75,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     world = recipe.launch.nproc_per_node * recipe.launch.nnodes
     strategy = str(_get(parallel, "strategy", DEFAULT_STRATEGY))
     sp = int(_get(parallel, "sp_size", 1))
+    cp = int(_get(parallel, "cp_size", 1))
     trainer = _get(cfg, "trainer", None)
     accum = int(_get(trainer, "grad_accum_steps", 1))
     gbs = int(_get(cfg, "global_batch_size", 1))
@@ -80,11 +83,11 @@ def derive_plan(recipe: Recipe) -> RunPlan:
     problems = layout_problems(
         world=world,
         sp=sp,
-        cp=int(_get(parallel, "cp_size", 1)),
+        cp=cp,
         accum=accum,
         global_batch=gbs,
     )
-    dp = max(world // sp, 1)
+    dp = max(world // (sp * cp), 1)
     problems += runtime_refusals(recipe)
     if problems:
         raise RecipeError(problems)
@@ -97,12 +100,13 @@ def derive_plan(recipe: Recipe) -> RunPlan:
         world_size=world,
         dp_size=dp,
         sp_size=sp,
+        cp_size=cp,
         grad_accum_steps=accum,
         global_batch_size=gbs,
         micro_batch=gbs // (dp * accum),
         strategy=strategy,
         device=str(device) if device else AUTO_DEVICE,
-        tokens_per_rank=-(-int(tokens) // sp) if tokens else None,
+        tokens_per_rank=-(-int(tokens) // (sp * cp)) if tokens else None,
     )
 
 

@@ -194,7 +194,7 @@ def layout_problems(*, world: int, sp: int, cp: int, accum: int, global_batch: i
     # The rules are the core's (the strategy's own: plan.runtime_refusals).
     shape = job_shape_problems(world_size=world, nnodes=1, sp_size=sp, cp_size=cp)
     batch = global_batch_problems(
-        global_batch_size=global_batch, dp_size=max(world // sp, 1), grad_accum_steps=accum
+        global_batch_size=global_batch, dp_size=max(world // (sp * cp), 1), grad_accum_steps=accum
     )
     return [str(problem) for problem in [*shape, *batch]]
 

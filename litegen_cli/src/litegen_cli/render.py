@@ -62,10 +62,18 @@ def plan_table(plan: RunPlan) -> Table:
         ("world size", f"{plan.world_size} (nproc_per_node * nnodes)"),
         ("data-parallel size", str(plan.dp_size)),
     ]
-    if plan.sp_size > 1:
+    if plan.sp_size > 1 and plan.cp_size == 1:
         rows += [
             ("sequence-parallel size", f"{plan.sp_size} (consecutive ranks share each sample)"),
             ("mesh (dp, sp)", f"({plan.dp_size}, {plan.sp_size})"),
+        ]
+    elif plan.cp_size > 1:
+        shared = plan.sp_size * plan.cp_size
+        rows += [
+            ("sequence-parallel size", f"{plan.sp_size} (Ulysses all-to-all, consecutive ranks)"),
+            ("context-parallel size", f"{plan.cp_size} (ring attention)"),
+            ("mesh (dp, cp, sp)", f"({plan.dp_size}, {plan.cp_size}, {plan.sp_size})"),
+            ("ranks per sample", f"{shared} (sp * cp)"),
         ]
     rows += [
         ("global batch size", str(plan.global_batch_size)),
@@ -73,7 +81,13 @@ def plan_table(plan: RunPlan) -> Table:
         ("per-rank micro batch", f"{plan.micro_batch} (global / (dp * grad_accum))"),
     ]
     if plan.tokens_per_rank is not None:
-        how = "trainer.tokens_per_sample / sp, rounded up" if plan.sp_size > 1 else "per sample"
+        how = (
+            "trainer.tokens_per_sample / (sp * cp), rounded up"
+            if plan.cp_size > 1
+            else "trainer.tokens_per_sample / sp, rounded up"
+            if plan.sp_size > 1
+            else "per sample"
+        )
         rows.append(("tokens per rank", f"{plan.tokens_per_rank} ({how})"))
     rows += [("strategy", plan.strategy), ("device", plan.device), ("memory", plan.memory)]
     rows.append(("weights", plan.weights))

@@ -241,6 +241,13 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         f"({', '.join(names_where(lambda row: row.sequence_parallel))}), or sp_size: 1",
     ),
     Unsupported(
+        ("optimization.parallel.cp_size", "optimization.parallel.strategy"),
+        lambda cfg, opt: opt.parallel.cp_size > 1 and not _row(opt).sequence_parallel,
+        f"{' and '.join(names_where(lambda row: not row.sequence_parallel))} has no "
+        "sequence-parallel layout for ring attention; use one of the strategies that have one "
+        f"({', '.join(names_where(lambda row: row.sequence_parallel))}), or cp_size: 1",
+    ),
+    Unsupported(
         ("optimization.memory.activation_checkpoint.policy", "optimization.compile.enabled"),
         lambda cfg, opt: (
             _ac(opt).enabled and _ac(opt).policy == "memory_budget" and not opt.compile.enabled

@@ -208,8 +208,8 @@ def names_where(keep: Callable[[StrategyRow], bool]) -> list[str]:
 class Problem:
     """One broken rule: the field to change and why. ``error`` is what the runtime raises.
 
-    >>> str(Problem("optimization.parallel.cp_size", "reserved"))
-    "field 'optimization.parallel.cp_size': reserved"
+    >>> str(Problem("optimization.parallel.sp_size", "3 does not divide 4"))
+    "field 'optimization.parallel.sp_size': 3 does not divide 4"
     """
 
     field: str
@@ -239,20 +239,16 @@ def job_shape_problems(
     "field 'optimization.parallel.strategy': 'hsdp' replic"
     """
     problems = []
-    if cp_size > 1:
+    if world_size % (sp_size * cp_size):
+        field = "cp_size" if cp_size > 1 and world_size % sp_size == 0 else "sp_size"
         problems.append(
             Problem(
-                f"{where}.parallel.cp_size",
-                f"ring attention is reserved and not implemented (cp_size {cp_size}); set it to "
-                "1 and split long sequences with sp_size (Ulysses attention) instead",
-                NotImplementedError,
-            )
-        )
-    if world_size % sp_size:
-        problems.append(
-            Problem(
-                f"{where}.parallel.sp_size",
-                f"{sp_size} does not divide the world size {world_size} "
+                f"{where}.parallel.{field}",
+                f"sp_size {sp_size} * cp_size {cp_size} = {sp_size * cp_size} does not divide "
+                f"the world size {world_size} (launch.nproc_per_node * launch.nnodes); launch "
+                f"a multiple of {sp_size * cp_size} ranks, or change sp_size or cp_size"
+                if cp_size > 1
+                else f"{sp_size} does not divide the world size {world_size} "
                 f"(launch.nproc_per_node * launch.nnodes); launch a multiple of {sp_size} "
                 "ranks, or change sp_size",
             )

@@ -1,9 +1,10 @@
 """The job's shape: where a worker sits in it (:class:`DistEnv`, from torchrun's variables) and
 the parallel plan the strategies see (:class:`ParallelPlan`).
 
-The ranks form a ``(dp, sp)`` mesh: rank ``r`` is sequence-parallel rank ``r % sp_size`` of
-data-parallel group ``r // sp_size``, so the ranks of one sequence-parallel group are contiguous
-and stay within a node. The ranks of a sequence-parallel group read the same samples; the
+The ranks form a ``(dp, cp, sp)`` mesh: rank ``r`` is Ulysses rank ``r % sp_size`` and ring
+(context-parallel) rank ``(r // sp_size) % cp_size`` of data-parallel group
+``r // (sp_size * cp_size)``, so the ranks that share a sample are contiguous and stay within a
+node, and each Ulysses group (the all-to-alls) is the innermost, fastest one. The ranks of a sequence-parallel group read the same samples; the
 strategies still spread the model and average gradients over every rank (see
 ``litegen.parallel.sequence.comm`` for why that is the right gradient).
 
@@ -67,7 +68,7 @@ class ParallelPlan:
     Example::
 
         plan = ParallelPlan.build("ddp", parallel_cfg, DistEnv(), torch.device("cpu"))
-        plan.dp_size, plan.sp_size
+        plan.dp_size, plan.sp_size, plan.cp_size
     """
 
     strategy: str
@@ -77,19 +78,29 @@ class ParallelPlan:
     nnodes: int
     local_world_size: int
     sp_size: int = 1
+    cp_size: int = 1
+
+    @property
+    def seq_size(self) -> int:
+        """Ranks that share each sample's sequence: ``sp_size * cp_size``."""
+        return self.sp_size * self.cp_size
 
     @property
     def dp_size(self) -> int:
         """Groups of ranks that read different samples."""
-        return self.world_size // self.sp_size
+        return self.world_size // self.seq_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.sp_size
+        return self.rank // self.seq_size
 
     @property
     def sp_rank(self) -> int:
         return self.rank % self.sp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.sp_size) % self.cp_size
 
     @classmethod
     def build(
@@ -112,4 +123,5 @@ class ParallelPlan:
             nnodes=env.nnodes,
             local_world_size=env.local_world_size,
             sp_size=parallel_cfg.sp_size,
+            cp_size=parallel_cfg.cp_size,
         )

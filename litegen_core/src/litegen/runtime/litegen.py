@@ -110,11 +110,13 @@ class LiteGen(CheckpointAPI):
         parallel_plan = ParallelPlan.build(
             optimization.parallel.strategy, optimization.parallel, self.env, self.device
         )
-        if parallel_plan.sp_size != self.plan.sp_size:
+        layout = (parallel_plan.sp_size, parallel_plan.cp_size)
+        if layout != (self.plan.sp_size, self.plan.cp_size):
             raise ValueError(
-                f"optimization profile {profile!r} sets parallel.sp_size="
-                f"{parallel_plan.sp_size}, but the job's data loading was planned for "
-                f"sp_size={self.plan.sp_size}; use one sp_size for every profile."
+                f"optimization profile {profile!r} sets parallel.sp_size x cp_size = "
+                f"{layout[0]} x {layout[1]}, but the job's data loading was planned for "
+                f"{self.plan.sp_size} x {self.plan.cp_size}; use one sp_size and one cp_size "
+                "for every profile."
             )
         strategy = build_strategy(parallel_plan, optimization)
         results: list[Any] = list(objects)

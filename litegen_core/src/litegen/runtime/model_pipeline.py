@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from litegen.fp8_training import apply_fp8_training
@@ -25,6 +24,9 @@ from litegen.parallel import ParallelPlan
 from litegen.parallel.base import Strategy
 from litegen.precision import cast_model
 from litegen.runtime.prepare import PreparedModel
+
+if TYPE_CHECKING:
+    from litegen.parallel.mesh import SequenceGroups
 
 log = logging.getLogger("litegen")
 
@@ -43,7 +45,7 @@ class ModelPipeline:
     def __init__(self, device: torch.device, is_main_process: bool) -> None:
         self.device = device
         self.is_main_process = is_main_process
-        self._sp_group: dist.ProcessGroup | None = None  # made at the first sp_size > 1 model
+        self._sp_groups: SequenceGroups | None = None  # made at the first split model
         self._warned_inert = False  # activation checkpointing of no block, said once
 
     def prepare(
@@ -84,7 +86,7 @@ class ModelPipeline:
         # Taken before checkpointing and compile touch the blocks: the EMA copy only holds
         # weights and never runs forward.
         template = copy.deepcopy(model) if ema_copy else None
-        if strategy.plan.sp_size > 1:
+        if strategy.plan.seq_size > 1:
             self._apply_sequence_parallel(model, strategy.plan)
         # Block swap patches the blocks' forward first, so that checkpointing wraps it and its
         # recompute fetches the weights again (litegen/memory/block_swap.py).
@@ -154,16 +156,26 @@ class ModelPipeline:
         attention wrappers sit inside the blocks, where recomputation and compile see them.
         The plan names the user's module paths, before a wrapper renames them.
         """
-        from litegen.parallel.mesh import sp_mesh
+        from litegen.parallel.mesh import sequence_groups
         from litegen.parallel.sequence import apply_sequence_parallel, plan_for
 
-        if self._sp_group is None:
-            self._sp_group = sp_mesh(parallel_plan).get_group("sp")
-        apply_sequence_parallel(model, plan_for(model), self._sp_group)
+        if self._sp_groups is None:
+            self._sp_groups = sequence_groups(parallel_plan)
+        groups = self._sp_groups
+        apply_sequence_parallel(
+            model,
+            plan_for(model),
+            groups.sequence,
+            ulysses_group=groups.ulysses,
+            ring_group=groups.ring,
+        )
         log.info(
-            "%s: sequence parallel over %d ranks (data parallel over %d groups)",
+            "%s: sequence parallel over %d ranks (Ulysses %d x ring %d; data parallel over %d "
+            "groups)",
             type(model).__name__,
+            parallel_plan.seq_size,
             parallel_plan.sp_size,
+            parallel_plan.cp_size,
             parallel_plan.dp_size,
         )
 
@@ -171,7 +183,7 @@ class ModelPipeline:
 def _compiled_block_contexts(strategy: Strategy, lab: Any) -> list[Any]:
     """What each compiled block enters around its calls (``compile_blocks``)."""
     contexts = []
-    if strategy.plan.sp_size > 1:
+    if strategy.plan.seq_size > 1:
         from litegen.parallel.sequence import compile_context
 
         contexts.append(compile_context)

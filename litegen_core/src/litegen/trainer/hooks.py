@@ -104,7 +104,7 @@ class TrainingHooks:
         self.samples_dir = Path(gen.config.get_results_dir()) / SAMPLES_DIR
         self.models = [m.module for m in gen.models if m.trainable]
         # Whole models on every rank (ddp, zero1, zero2): one rank can sample alone.
-        sharded = gen.plan.sp_size > 1 or any(
+        sharded = gen.plan.seq_size > 1 or any(
             m.strategy.shards_parameters for m in gen.models if m.trainable
         )
         self._sample_here = sharded or gen.is_main_process

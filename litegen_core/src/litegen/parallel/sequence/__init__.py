@@ -1,8 +1,10 @@
-"""Ulysses sequence parallelism (``optimization.parallel.sp_size``): each sample's sequence is
-split over the ranks of a sequence-parallel group, between the blocks of the model.
+"""Sequence parallelism: each sample's sequence is split over the ranks of a group, between the
+blocks of the model; attention is Ulysses (``optimization.parallel.sp_size``, all-to-alls over
+heads) and ring attention (``cp_size``, keys and values passed round), alone or together.
 
-``prepare`` applies the model's :class:`SequencePlan` (built-in for several diffusers models, or
-declared by the model) when ``sp_size > 1``; see ``docs/sequence_parallel.md``.
+``prepare`` applies the model's :class:`SequencePlan` (built-in for several diffusers models,
+declared by the model, or read from a diffusers ``_cp_plan``) when ``sp_size * cp_size > 1``;
+see ``docs/sequence_parallel.md``.
 
 Example:
     >>> from torch import nn

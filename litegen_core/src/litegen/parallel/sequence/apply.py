@@ -1,5 +1,5 @@
-"""Apply a sequence-parallel plan to a model, in place: hooks at block boundaries, Ulysses
-attention inside.
+"""Apply a sequence-parallel plan to a model, in place: hooks at block boundaries, Ulysses and
+ring attention inside.
 
 The split and the gather are module hooks, so they run outside the blocks' activation
 checkpoints and compiled regions (which patch the blocks' ``forward``); a checkpointed block
@@ -28,9 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from litegen.parallel.sequence.attention import STATE, sharded_attention_class
+from litegen.parallel.sequence.attention import (
+    STATE,
+    one_rank_attention,
+    sharded_attention_class,
+)
 from litegen.parallel.sequence.comm import gather, padded_length, shard
 from litegen.parallel.sequence.plan import SequencePlan, Split, as_split, matching
 
@@ -45,13 +50,35 @@ class SequenceLayout:
 
 
 class SequenceParallel:
-    """One model's sequence-parallel state: its group, and the layout of the current forward."""
+    """One model's sequence-parallel state: its groups, and the layout of the current forward.
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+    ``group`` holds the sample's ranks (the split and the gather); its Ulysses group runs the
+    all-to-alls (``sp_size`` ranks; ``group`` itself without a ring), and its ring group
+    (``cp_size`` ranks) passes keys and values round (None: no ring).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.name = type(model).__name__
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.ulysses_group = group if ulysses_group is None else ulysses_group
+        self.ulysses_size = dist.get_world_size(self.ulysses_group)
+        self.ulysses_rank = dist.get_rank(self.ulysses_group)
+        self.ring_group = ring_group
+        self.ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
+        if self.ulysses_size * self.ring_size != self.size:
+            raise ValueError(
+                f"sequence parallelism of {self.name}: a Ulysses group of {self.ulysses_size} "
+                f"and a ring of {self.ring_size} ranks do not make the sequence group of "
+                f"{self.size} (optimization.parallel.sp_size * cp_size must be its size)."
+            )
         self.layout: SequenceLayout | None = None
         self.enabled = True
         # attention module -> its path, for error messages (read only when raising, so that
@@ -90,6 +117,13 @@ class SequenceParallel:
             return value  # broadcast over the sequence
         if self.layout is None:
             padded = padded_length(length, self.size)
+            if padded - length >= padded // self.ring_size:
+                raise ValueError(
+                    f"context parallelism: {where} of {self.name} has {length} tokens, too few "
+                    f"for {self.size} ranks with a ring of {self.ring_size}: padded to "
+                    f"{padded}, the last ring rank would hold padding only; lower "
+                    "optimization.parallel.cp_size (or sp_size), or use longer sequences."
+                )
             self.layout = SequenceLayout(length, padded, padded // self.size)
         elif self.layout.length != length:
             raise ValueError(
@@ -130,19 +164,63 @@ class _RestoreLayout(torch.autograd.Function):
         return grad, None, None
 
 
+class OneRankShare(SequenceParallel):
+    """The first rank's share of a sequence split over ``size`` ranks, computed by one process
+    alone: the split keeps its tokens, the gather pads them back to the sequence's length, and
+    attention runs on them (:func:`.attention.one_rank_attention`). For counting a rank's
+    memory on meta (``inspect-config --estimate``); its outputs are not the model's."""
+
+    def __init__(self, model: nn.Module, size: int) -> None:
+        self.name = type(model).__name__
+        self.group = self.ulysses_group = self.ring_group = None
+        self.size, self.rank = size, 0
+        self.ulysses_size, self.ulysses_rank, self.ring_size = 1, 0, 1
+        self.layout = None
+        self.enabled = True
+        self.paths = weakref.WeakKeyDictionary()
+        self.attention = one_rank_attention
+
+    def gather(self, value: torch.Tensor, dim: int, where: str) -> torch.Tensor:
+        layout = self.current_layout(where)
+        dim %= value.dim()
+        pad = [0, 0] * (value.dim() - 1 - dim) + [0, layout.padded - layout.local]
+        return F.pad(value, pad).narrow(dim, 0, layout.length)
+
+
+def one_rank_share(model: nn.Module, plan: SequencePlan, size: int) -> SequenceParallel:
+    """Install ``plan`` on ``model`` as the first of ``size`` ranks computing alone
+    (:class:`OneRankShare`).
+
+    Example::
+
+        one_rank_share(wan_on_meta, plan_for(wan_on_meta), 8)  # then count its forward
+    """
+    return _install(model, plan, OneRankShare(model, size))
+
+
 def apply_sequence_parallel(
-    model: nn.Module, plan: SequencePlan, group: dist.ProcessGroup
+    model: nn.Module,
+    plan: SequencePlan,
+    group: dist.ProcessGroup,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
 ) -> SequenceParallel:
     """Install ``plan`` on ``model`` for the ranks of ``group``; returns the model's state.
 
     Every rank of ``group`` must call the model with the same inputs; each gets the whole output.
+    Attention is Ulysses over ``ulysses_group`` (default: ``group``) and, with a
+    ``ring_group``, ring attention over it (:func:`litegen.parallel.mesh.sequence_groups`).
 
     Example::
 
         sp = apply_sequence_parallel(wan, plan_for(wan), mesh.get_group("sp"))
     """
+    return _install(model, plan, SequenceParallel(model, group, ulysses_group, ring_group))
+
+
+def _install(model: nn.Module, plan: SequencePlan, sp: SequenceParallel) -> SequenceParallel:
     plan.check(model)
-    sp = SequenceParallel(model, group)
     modules = dict(model.named_modules())
     attention = {
         path: (module, layout)
@@ -151,10 +229,12 @@ def apply_sequence_parallel(
     }
     for path, (module, _) in attention.items():
         heads = getattr(module, "heads", None) or getattr(module, "num_heads", None)
-        if isinstance(heads, int) and heads % sp.size:
+        if isinstance(heads, int) and heads % sp.ulysses_size:
             raise ValueError(
-                f"optimization.parallel.sp_size={sp.size} must divide the attention heads of "
-                f"{sp.name}, but {path} has {heads}; pick an sp_size that divides {heads}."
+                f"optimization.parallel.sp_size={sp.ulysses_size} must divide the attention "
+                f"heads of {sp.name}, but {path} has {heads}; pick an sp_size that divides "
+                f"{heads} (and split the rest of the sequence with cp_size, which has no such "
+                "limit)."
             )
     # Registered first, so the model's own split hooks run after it.
     model.register_forward_pre_hook(lambda *_: sp.start_forward())
@@ -274,9 +354,11 @@ def compile_context() -> AbstractContextManager:
 
 
 __all__ = [
+    "OneRankShare",
     "SequenceLayout",
     "SequenceParallel",
     "apply_sequence_parallel",
     "compile_context",
+    "one_rank_share",
     "sequence_parallel_off",
 ]

@@ -1,4 +1,4 @@
-"""Ulysses attention: ``F.scaled_dot_product_attention`` on sequence shards, made exact.
+"""Ulysses and ring attention: ``F.scaled_dot_product_attention`` on sequence shards, made exact.
 
 Inside an attention module of the plan, query, key and value hold this rank's shard of the
 split tokens for all ``H`` heads: ``(B, H, S/N, D)``. One all-to-all turns them into all ``S``
@@ -12,9 +12,13 @@ kernel choice (``attention_context``) still applies to the call it makes, and th
 activation checkpointing runs again in backward is intercepted the same way. ``torch.compile``
 traces the mode and the all-to-alls into a compiled block's graph.
 
-Padding: a sequence that does not divide by ``N`` is padded at its end (``comm.shard``); the
-padding is cut off after the all-to-all, so attention never sees it, and put back (as zeros)
-before the reverse all-to-all.
+With a ring group (``cp_size > 1``), the all-to-all gives this rank all tokens of its ring
+chunk, and :func:`litegen.parallel.sequence.ring.ring_attention` attends them to every ring
+rank's chunk; text whole on every rank is one local block (ring.py).
+
+Padding: a sequence that does not divide by ``N`` is padded at its end (``comm.shard``). Ulysses
+alone cuts it off after the all-to-all, so attention never sees it, and puts it back (as zeros)
+before the reverse all-to-all; the ring cuts it off each chunk before its kernel.
 
 Example::
 
@@ -32,13 +36,21 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from litegen.parallel.sequence.comm import gather, heads_to_seq, seq_to_heads
+from litegen.parallel.sequence.ring import (
+    RingSpec,
+    additive_mask,
+    chunk_lengths,
+    chunk_masks,
+    ring_attention,
+)
 
 if TYPE_CHECKING:
     from litegen.parallel.sequence.apply import SequenceParallel
 
 
 class _UlyssesMode(TorchFunctionMode):
-    """Reroutes each ``F.scaled_dot_product_attention`` call to :func:`ulysses_attention`."""
+    """Reroutes each ``F.scaled_dot_product_attention`` call to :func:`ulysses_attention` (or
+    to ``sp.attention``: :func:`one_rank_attention` for a rank's share counted alone)."""
 
     def __init__(self, sp: SequenceParallel, layout: str, module: nn.Module) -> None:
         super().__init__()
@@ -49,7 +61,8 @@ class _UlyssesMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-            return ulysses_attention(func, self.sp, self.layout, self.module, *args, **kwargs)
+            attention = getattr(self.sp, "attention", ulysses_attention)
+            return attention(func, self.sp, self.layout, self.module, *args, **kwargs)
         name = getattr(func, "__name__", "")
         if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
             # A tensor method, called as one: Dynamo traces ``x.unflatten(...)`` into the graph,
@@ -114,7 +127,7 @@ def ulysses_attention(
     """
     query, key, value, mask, dropout_p, is_causal, scale, rest = _sdpa_arguments(*args, **kwargs)
     seq = sp.current_layout(module)
-    n, rank = sp.size, sp.rank
+    n, rank = sp.ulysses_size, sp.ulysses_rank
     if is_causal:
         raise ValueError(
             f"sequence parallelism: {sp.path_of(module)} asks for causal attention, which it "
@@ -141,29 +154,117 @@ def ulysses_attention(
     video_at = text if text_first else 0
     parts = (query, key, value)
 
-    video = _seq_to_heads([t.narrow(2, video_at, seq.local) for t in parts], sp)
-    if seq.padded != seq.length:
-        video = [t.narrow(2, 0, seq.length) for t in video]
+    video = [t.narrow(2, video_at, seq.local) for t in parts]
+    if n > 1:
+        video = _seq_to_heads(video, sp)
+    texts = None
     if text:
         text_at = 0 if text_first else seq.local
         texts = [_own_heads(t.narrow(2, text_at, text), rank, n) for t in parts]
+    mask = _local_mask(mask, video[0].shape[1], text + seq.length, rank, sp, module)
+    if sp.ring_group is not None:
+        out_video, out_text = _ring(
+            sp, module, video, texts, mask, text_first, dropout_p, scale, rest
+        )
+    else:
+        out_video, out_text = _whole(
+            sdpa, seq, video, texts, mask, text_first, dropout_p, scale, rest
+        )
+    if n > 1:
+        out_video = heads_to_seq(out_video, sp.ulysses_group)
+    if not text:
+        return out_video
+    if n > 1:
+        out_text = gather(out_text, 1, sp.ulysses_group)
+    pieces = (out_text, out_video) if text_first else (out_video, out_text)
+    return torch.cat(pieces, dim=2)
+
+
+def _whole(sdpa, seq, video, texts, mask, text_first, dropout_p, scale, rest):
+    """Ulysses alone: attention over the whole sequence, padding cut off and put back."""
+    if seq.padded != seq.length:
+        video = [t.narrow(2, 0, seq.length) for t in video]
+    if texts:
         pairs = [(t, v) if text_first else (v, t) for t, v in zip(texts, video, strict=True)]
         q, k, v = (torch.cat(pair, dim=2) for pair in pairs)
     else:
         q, k, v = video
-    mask = _local_mask(mask, q.shape[1], text + seq.length, rank, sp, module)
     out = sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **rest)
-
     # Here the sequence is [text, all split tokens] or [all split tokens, text].
-    out_video = out.narrow(2, video_at, seq.length)
+    text = texts[0].shape[2] if texts else 0
+    out_video = out.narrow(2, text if text_first else 0, seq.length)
     if seq.padded != seq.length:
         out_video = F.pad(out_video, (0, 0, 0, seq.padded - seq.length))
-    out_video = heads_to_seq(out_video, sp.group)
-    if not text:
-        return out_video
-    out_text = gather(out.narrow(2, 0 if text_first else seq.length, text), 1, sp.group)
-    pieces = (out_text, out_video) if text_first else (out_video, out_text)
-    return torch.cat(pieces, dim=2)
+    out_text = out.narrow(2, 0 if text_first else seq.length, text) if texts else None
+    return out_video, out_text
+
+
+def _ring(sp, module, video, texts, mask, text_first, dropout_p, scale, rest):
+    """Ring attention over the ring group's chunks (after Ulysses, its ``cp_rank``-th chunk of
+    the padded sequence for this rank's heads). Text queries attend every chunk here, on every
+    ring rank alike, and the text keys are one local block."""
+    seq = sp.current_layout(module)
+    if dropout_p or any(rest.values()):
+        raise ValueError(
+            f"context parallelism: {sp.path_of(module)} calls attention with dropout or "
+            f"{sorted(k for k, v in rest.items() if v)}, which ring attention does not support; "
+            "set optimization.parallel.cp_size: 1 for this model."
+        )
+    chunk = seq.padded // sp.ring_size
+    lengths = chunk_lengths(seq.length, chunk, sp.ring_size)
+    text = texts[0].shape[2] if texts else 0
+    chunk_mask = local_mask = None
+    if mask is not None:
+        if mask.dim() >= 2 and mask.shape[-2] != 1:
+            raise ValueError(
+                f"context parallelism: {sp.path_of(module)} passes an attention mask with a row "
+                "per query; ring attention takes key masks only (1 in the second-last "
+                "dimension); set optimization.parallel.cp_size: 1 for this model."
+            )
+        mask = additive_mask(mask, video[0].dtype)
+        chunk_mask = chunk_masks(mask, text if text_first else 0, chunk, lengths)
+        if text:
+            local_mask = mask.narrow(-1, 0 if text_first else seq.length, text)
+    q, k, v = video
+    if texts:
+        q = torch.cat([q, texts[0]], dim=2)
+    spec = RingSpec(sp.ring_group, lengths, chunk_mask, local_mask, scale)
+    local = (texts[1], texts[2]) if texts else (None, None)
+    out = ring_attention(q, k, v, spec, *local)
+    return out.narrow(2, 0, chunk), (out.narrow(2, chunk, text) if texts else None)
+
+
+def one_rank_attention(
+    sdpa: Callable,
+    sp: SequenceParallel,
+    layout: str,
+    module: nn.Module,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Attention of one rank's split tokens (and the whole text) alone, with no collective: the
+    rank's tensors have the sizes Ulysses and the ring give it (tokens / N for every head, or
+    every token for heads / N), so counting its memory on meta needs no group. The mask, built
+    over the whole sequence, is cut to the keys the call has."""
+    query, key, value, mask, dropout_p, is_causal, scale, rest = _sdpa_arguments(*args, **kwargs)
+    if mask is not None and mask.shape[-1] != key.shape[-2]:
+        seq = sp.current_layout(module)
+        text = key.shape[-2] - seq.local
+        if layout == "text_first":
+            mask = mask.narrow(-1, 0, text + seq.local)
+        else:  # [video, text]: this rank's first tokens, then the text after the whole video
+            whole = mask.shape[-1] - text
+            mask = torch.cat([mask.narrow(-1, 0, seq.local), mask.narrow(-1, whole, text)], -1)
+    return sdpa(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        **rest,
+    )
 
 
 def _own_heads(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -176,8 +277,9 @@ def _seq_to_heads(parts: list[torch.Tensor], sp: SequenceParallel) -> list[torch
     """All-to-all of query, key and value: one collective when their shapes agree."""
     if all(t.shape == parts[0].shape for t in parts):
         batch = parts[0].shape[0]
-        return list(seq_to_heads(torch.cat(parts, dim=0), sp.group).split(batch, dim=0))
-    return [seq_to_heads(t, sp.group) for t in parts]
+        joined = seq_to_heads(torch.cat(parts, dim=0), sp.ulysses_group)
+        return list(joined.split(batch, dim=0))
+    return [seq_to_heads(t, sp.ulysses_group) for t in parts]
 
 
 def _local_mask(
@@ -206,4 +308,4 @@ def _local_mask(
     return mask
 
 
-__all__ = ["STATE", "sharded_attention_class", "ulysses_attention"]
+__all__ = ["STATE", "one_rank_attention", "sharded_attention_class", "ulysses_attention"]

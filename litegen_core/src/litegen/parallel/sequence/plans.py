@@ -142,15 +142,20 @@ def register_sequence_plan(cls: type, plan: PlanSource) -> None:
 
 
 def plan_for(model: nn.Module) -> SequencePlan:
-    """The plan of ``model`` (in the order :mod:`litegen.parallel.sequence.plan` gives),
-    checked against it; ValueError if none.
+    """The plan of ``model`` (in the order :mod:`litegen.parallel.sequence.plan` gives, then
+    one read from a diffusers ``_cp_plan``: :mod:`.diffusers_cp`), checked against it;
+    ValueError if none.
 
     Example::
 
         plan_for(wan).gather_outputs
     """
+    from litegen.parallel.sequence.diffusers_cp import has_cp_plan, plan_from_cp_plan
+
     cls = type(model)
     source = _REGISTERED.get(cls) or getattr(model, PLAN_ATTRIBUTE, None) or builtin_plan(model)
+    if source is None and has_cp_plan(model):  # diffusers' own plan, read with the text whole
+        source = plan_from_cp_plan
     if source is None:
         raise ValueError(
             f"optimization.parallel.sp_size > 1 needs a sequence-parallel plan for "
