@@ -158,7 +158,7 @@ def plan_for(model: nn.Module) -> SequencePlan:
         source = plan_from_cp_plan
     if source is None:
         raise ValueError(
-            f"optimization.parallel.sp_size > 1 needs a sequence-parallel plan for "
+            f"optimization.parallel.sp_size or cp_size > 1 needs a sequence-parallel plan for "
             f"{cls.__name__}, and it has none: LiteGen has built-in plans for "
             f"{', '.join(builtin_names())}. Declare one on the class "
             f"({PLAN_ATTRIBUTE} = SequencePlan(split_inputs=..., gather_outputs=..., "
