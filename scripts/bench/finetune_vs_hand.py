@@ -72,6 +72,7 @@ def recipe_overrides(args: argparse.Namespace, pipeline: Path, media: Path) -> l
         f"finetune.data.cache_root={args.work / 'cache'}",
         f"finetune.data.resolution={args.resolution}",
         f"finetune.data.max_frames={args.frames}",
+        "global_batch_size=1",  # the recipe's batch is checked against the media at build too
         *args.recipe_override,
     ]
 
