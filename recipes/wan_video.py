@@ -32,36 +32,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from litegen.data import BucketBatchSampler
+from litegen.families.wan import Wan
 
-# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer; a tiny one of the same class.
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer (the Wan family's), and the family's tiny one
+# with the published latent channels, which this recipe's data has.
 MODELS: dict[str, dict[str, Any]] = {
-    "1.3b": {
-        "patch_size": (1, 2, 2),
-        "num_attention_heads": 12,
-        "attention_head_dim": 128,
-        "in_channels": 16,
-        "out_channels": 16,
-        "text_dim": 4096,
-        "freq_dim": 256,
-        "ffn_dim": 8960,
-        "num_layers": 30,
-        "cross_attn_norm": True,
-        "qk_norm": "rms_norm_across_heads",
-        "eps": 1e-6,
-        "rope_max_seq_len": 1024,
-    },
-    "tiny": {
-        "patch_size": (1, 2, 2),
-        "num_attention_heads": 2,
-        "attention_head_dim": 16,
-        "in_channels": 16,
-        "out_channels": 16,
-        "text_dim": 32,
-        "freq_dim": 32,
-        "ffn_dim": 64,
-        "num_layers": 2,
-        "rope_max_seq_len": 32,
-    },
+    "1.3b": Wan.reference_config,
+    "tiny": {**Wan.tiny_config, "in_channels": 16, "out_channels": 16},
 }
 
 
