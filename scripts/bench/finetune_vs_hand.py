@@ -142,7 +142,7 @@ def flux_pipeline(args: argparse.Namespace) -> Any:
     )
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from litegen_zoo.make_tiny_pipeline import tiny_tokenizer
+    from litegen.families.tiny_text import tiny_tokenizer
 
     torch.manual_seed(0)
     clip_tokenizer, t5_tokenizer = tiny_tokenizer(77, bos=True), tiny_tokenizer(512, bos=False)
@@ -306,6 +306,8 @@ def run_hand(args, side: str, pipeline: Path, shape, folder: Path) -> dict[str, 
     }
     flags = [item for name, value in options.items() for item in (f"--{name}", str(value))]
     command = [sys.executable, str(HAND), *flags, *HAND_SIDES[side]]
+    if args.attention:
+        command += ["--attention", args.attention]
     run_logged(command, folder / "run.log", args.timeout)
     result = json.loads(out.read_text())
     return {
@@ -324,6 +326,7 @@ def run_launch(args, side: str, pipeline: Path, media: Path, folder: Path) -> di
         *run_overrides(args, results),
         *args.launch_sides[side],
         *args.launch_override,
+        *([f"optimization.kernels.attention_backend={args.attention}"] if args.attention else []),
     )
     run_logged(command, folder / "run.log", args.timeout)
     lines = (results / "metrics.jsonl").read_text().splitlines()
@@ -468,6 +471,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reference", default="hand-compiled")
     parser.add_argument("--summary", type=Path, help="also write the table as JSON here")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--attention",
+        choices=("cudnn", "flash", "efficient"),
+        default=None,
+        help="one SDPA kernel for both sides (default: each side's own choice)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed windows")
     parser.add_argument("--window", type=int, default=10, help="steps per timed window")
     parser.add_argument("--windows", type=int, default=3)

@@ -181,6 +181,13 @@ def train(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
+    if args.attention != "default":  # the same kernel as a launch with that attention_backend
+        for name in ("cudnn", "flash", "efficient"):
+            enable = getattr(
+                torch.backends.cuda,
+                f"enable_{'mem_efficient' if name == 'efficient' else name}_sdp",
+            )
+            enable(name == args.attention)
     folder = Path(args.pipeline)
     model = load_transformer(folder, args.family).to(device)
     trained = add_lora(model, args.rank, args.alpha, args.targets)
@@ -256,6 +263,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--ema-decay", type=float, default=0.99)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument(
+        "--attention",
+        choices=("default", "cudnn", "flash", "efficient"),
+        default="default",
+        help="the only SDPA kernel to use (default: torch's choice)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the rate")
     parser.add_argument("--window", type=int, default=10, help="steps per timed window")
     parser.add_argument("--windows", type=int, default=3)
