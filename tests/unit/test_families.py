@@ -114,12 +114,15 @@ def test_the_sequence_plans_come_from_the_families():
     assert plan.split_outputs == {"rope": {0: 1, 1: 1}}
     assert plan.gather_outputs == {"proj_out": 1}
     assert plan.attention == {"blocks.*.attn1": "self"}
-    # Flux declares none: the lookup says so and names the classes that have one.
+    # Flux declares none: the lookup falls back to the plan diffusers' _cp_plan gives.
+    flux = tiny_transformer(Flux)
+    assert Flux.sequence_plan(flux) is None
+    assert plan_for(flux).attention
+    # A model with neither: the lookup says so and names the classes that have one.
     with pytest.raises(
-        ValueError,
-        match=r"needs a sequence-parallel plan for FluxTransformer2DModel.*WanTransformer3DModel",
+        ValueError, match=r"needs a sequence-parallel plan for Linear.*WanTransformer3DModel"
     ):
-        plan_for(tiny_transformer(Flux))
+        plan_for(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("name", sorted(families()))
