@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# torch releases whose private ring functions were run here: 2.13 in the CPU tests; the GPU
-# node's torch is checked by scripts/bench/bench_ring.py, which runs them first.
-TESTED_TORCH = ("2.13",)
+# torch releases whose private ring functions were run here: 2.13 in the CPU tests, 2.11 on
+# the GPU node (tests/gpu/test_ring_gpu.py, scripts/bench/bench_ring.py).
+TESTED_TORCH = ("2.11", "2.13")
 
 try:  # where torch keeps it since 2.9 (torch 2.13 re-exports only the forward elsewhere)
     from torch.distributed.tensor.experimental._context_parallel._attention import (
