@@ -24,7 +24,8 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     """Cached-sample shapes: latents of 4 channels (2 frames for a video family) and text."""
     generator = torch.Generator().manual_seed(0)
     frames = (2,) if family.latent.is_video else ()
-    text = family.tiny_config.get("text_dim") or family.tiny_config["joint_attention_dim"]
+    config = family.tiny_config
+    text = config.get("text_dim") or config.get("caption_channels") or config["joint_attention_dim"]
     out = {
         "latents": torch.randn(batch, 4, *frames, 4, 4, generator=generator),
         "prompt_embeds": torch.randn(batch, 6, text, generator=generator),
@@ -42,7 +43,7 @@ def test_the_registry_holds_the_families_and_names_them_when_asked_for_another()
         assert family_for_pipeline(family.pipeline_class) is family
         assert family_for_transformer(family.transformer_class) is family
     with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
-                       r"families are flux \(FluxPipeline\), wan \(WanPipeline\)"):  # fmt: skip
+                       r"families are flux \(FluxPipeline\), ltx_video \(LTXPipeline\), wan \(WanPipeline\)"):  # fmt: skip
         family_for_pipeline("CogVideoXPipeline")
     with pytest.raises(ValueError, match="the families are flux"):
         family_for_transformer("SD3Transformer2DModel")
