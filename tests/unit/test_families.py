@@ -39,13 +39,15 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
 
 def media_condition_tensors(family, latent_shape, generator) -> dict[str, torch.Tensor]:
     """The tensors of the family's media conditions for latents of ``latent_shape``, encoded
-    by its tiny pipeline from random pixels of the matching size."""
+    by its tiny pipeline from random pixels of the matching size, and its text tensors (a
+    family with conditions may need its own text length: Wan I2V's 512 tokens)."""
     pipe = family.tiny_pipeline()
     rules = family.latent
     size = [side * rules.spatial_compression for side in latent_shape[-2:]]
     frames = [(latent_shape[2] - 1) * rules.temporal_compression + 1] if rules.is_video else []
     clip = torch.rand(latent_shape[0], 3, *frames, *size, generator=generator) * 2 - 1
-    out = {}
+    with torch.no_grad():
+        out = family({}).encode_text(pipe, ["a fox"] * latent_shape[0])
     for name, condition in family.media_conditions.items():
         pixels = clip[:, :, 0] if rules.is_video else clip
         if condition.kind == "video":

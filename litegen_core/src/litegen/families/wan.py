@@ -14,7 +14,9 @@ penultimate hidden states, what the transformer's ``image_embedder`` and the cro
 noisy latents: a first-frame mask (one channel per frame the VAE folds into a latent frame,
 ones at latent frame 0) then the VAE latents of the first frame followed by black (zero)
 frames. The first-and-last-frame model (``last_image``, ``pos_embed_seq_len``) and Wan 2.2's
-I2V (no image encoder) are not trained here.
+I2V (no image encoder) are not trained here. diffusers 0.42.1's ``WanImageToVideoPipeline``
+cleans prompts with ftfy whether it is installed or not: prompts are encoded through
+``WanPipeline``'s own UMT5 path (ftfy when installed, as there) and handed to it as embeddings.
 
 Example::
 
@@ -240,6 +242,12 @@ class Wan(Family):
         return frames.transpose(1, 2)
 
 
+# The I2V transformer splits its cross-attention context into image and text tokens by counting
+# 512 text tokens from the end: the prompt embeddings always have 512 rows, whatever the
+# tokenizer's length.
+I2V_TEXT_TOKENS = 512
+
+
 class WanI2V(Wan):
     """Wan 2.1 image-to-video: the T2V forward with a first frame's CLIP embedding and its
     masked latents on channels (the ``image`` condition; the clip's frame 0 by default)."""
@@ -248,7 +256,7 @@ class WanI2V(Wan):
     pipeline_class = "WanImageToVideoPipeline"
     frozen = ("vae", "text_encoder", "image_encoder")
     conditions: ClassVar[dict[str, str]] = {
-        **Wan.conditions,
+        "prompt_embeds": "the UMT5 encoder's last hidden state, padded to 512 tokens",
         "image_embeds": "the CLIP vision encoder's penultimate hidden states of the first frame",
         "first_frame": "the first-frame mask (VAE time-compression channels, ones at latent "
         "frame 0) then the VAE latents of the first frame followed by zero frames",
@@ -308,6 +316,9 @@ class WanI2V(Wan):
             transformer=WanTransformer3DModel(**cls.tiny_config),
         )
 
+    def encode_text(self, pipe, captions):
+        return {"prompt_embeds": _umt5_embeds(pipe, captions)}
+
     def encode_condition(self, pipe, name, pixels, clip, micro_batch_size):
         import torch
 
@@ -347,18 +358,29 @@ class WanI2V(Wan):
                 f"{self.pipeline_class} samples from a first frame per prompt: give "
                 "trainer.validation.conditions.image, one file per prompt."
             )
+        empty = _umt5_embeds(pipe, [""])  # the pipeline's default negative prompt
         videos = [
             pipe(
                 image=image,
-                prompt=prompt,
+                prompt_embeds=_umt5_embeds(pipe, [prompt]),
+                negative_prompt_embeds=empty,
                 **pipeline_settings(validation, num_frames=validation.frames),
-                max_sequence_length=max_length(pipe.tokenizer),
                 generator=generator,
                 output_type="pt",
             ).frames[0]  # (T, C, H, W) in [0, 1]
             for prompt, image in zip(prompts, images, strict=True)
         ]
         return torch.stack(videos).transpose(1, 2)
+
+
+def _umt5_embeds(pipe: Any, prompts: list[str]) -> torch.Tensor:
+    """The prompts' UMT5 embeddings as ``WanPipeline`` computes them, padded to
+    :data:`I2V_TEXT_TOKENS`, on ``pipe``'s text encoder."""
+    from diffusers import WanPipeline
+
+    return WanPipeline._get_t5_prompt_embeds(
+        pipe, prompts, max_sequence_length=I2V_TEXT_TOKENS, device=pipe.device
+    )
 
 
 def _to_pil(pixels: torch.Tensor) -> Any:

@@ -70,7 +70,7 @@ def validation_problems(config: Any, family: Family) -> list[str]:
             if name not in given and not condition.optional:
                 problems.append(
                     f"field 'trainer.validation.conditions.{name}': {family.pipeline_class} "
-                    f"samples from a {name} ({condition.description}); give one file per "
+                    f"samples with its {name} condition ({condition.description}); give one file per "
                     "prompt, or set trainer.sample_every=0."
                 )
     return problems
