@@ -69,7 +69,7 @@ def test_the_registry_holds_the_families_and_names_them_when_asked_for_another()
         assert found.original_keys is family.original_keys
         assert found.sequence_plan.__func__ is family.sequence_plan.__func__
     with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
-                       r"families are flux \(FluxPipeline\), ltx_video \(LTXPipeline\), wan \(WanPipeline\)"):  # fmt: skip
+                       r"families are flux \(FluxPipeline\), ltx_video \(LTXPipeline\), ltx_video_i2v"):  # fmt: skip
         family_for_pipeline("CogVideoXPipeline")
     with pytest.raises(ValueError, match="the families are flux"):
         family_for_transformer("SD3Transformer2DModel")

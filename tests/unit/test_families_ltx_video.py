@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
-from litegen.families.ltx_video import LTXVideo
+from litegen.families.ltx_video import LTXVideo, LTXVideoI2V
 from litegen.families.original_format import (
     lora_from_original,
     lora_to_original,
@@ -60,7 +60,9 @@ def batch(frames: int = 2, size: int = 3) -> dict[str, torch.Tensor]:
 
 def test_the_registry_finds_ltx_by_its_classes_and_the_tiny_pipeline_has_them(pipe):
     assert family_for_pipeline("LTXPipeline") is LTXVideo
+    assert family_for_pipeline("LTXImageToVideoPipeline") is LTXVideoI2V
     assert family_for_transformer("LTXVideoTransformer3DModel") is LTXVideo
+    assert type(LTXVideoI2V.tiny_pipeline()).__name__ == "LTXImageToVideoPipeline"
     assert key_map_for("LTXVideoTransformer3DModel") is LTXVideo.original_keys
     assert type(pipe).__name__ == "LTXPipeline"
     assert dict(pipe.transformer.config) | LTXVideo.tiny_config == dict(pipe.transformer.config)
@@ -141,50 +143,69 @@ def test_the_shift_is_the_pipelines_by_token_count(pipe):
 
 
 def test_first_frame_conditioning_is_the_image_to_video_pipelines_per_token_timestep():
-    """The first latent frame stays clean at timestep 0 (the pipeline's ``t * (1 -
-    conditioning_mask)``), and the loss covers the other frames only."""
+    """The first latent frame is the given first frame's latents, clean at timestep 0 (the
+    pipeline's ``t * (1 - conditioning_mask)``); the loss covers the other frames only."""
     model, data = tiny_model(), batch(frames=3)
+    first = torch.randn(2, 4, 1, 3, 3, generator=torch.Generator().manual_seed(5))
+    data["first_frame_latents"] = first
     objective = FlowMatching(density="uniform")
     torch.manual_seed(1)
-    ours = LTXVideo().loss(model, data, objective, first_frame=True)
+    ours = LTXVideoI2V().loss(model, data, objective)
 
     torch.manual_seed(1)
     x0 = data["latents"]
     noise = torch.randn_like(x0)
-    sigmas = objective.sample_sigmas(2, device=x0.device, shift=None)
+    sigmas = objective.sample_sigmas(2, device=x0.device, shift=None).view(-1, 1, 1, 1, 1)
     condition = torch.zeros(2, 1, 3, 3, 3)
     condition[:, :, 0] = 1.0
-    noisy = x0 * condition + ((1 - sigmas.view(-1, 1, 1, 1, 1)) * x0 + sigmas.view(-1, 1, 1, 1, 1) * noise) * (1 - condition)  # fmt: skip
-    mask = diffusers.LTXImageToVideoPipeline._pack_latents(condition).squeeze(-1)
-    timestep = (sigmas * 1000).unsqueeze(-1) * (1 - mask)
+    init = first.repeat(1, 1, 3, 1, 1)  # as the pipeline's prepare_latents
+    noisy = init * condition + ((1 - sigmas) * x0 + sigmas * noise) * (1 - condition)
+    pipeline = diffusers.LTXImageToVideoPipeline
+    mask = pipeline._pack_latents(condition).squeeze(-1)
+    timestep = (sigmas.view(-1) * 1000).unsqueeze(-1) * (1 - mask)
     tokens = model(
-        hidden_states=diffusers.LTXImageToVideoPipeline._pack_latents(noisy),
+        hidden_states=pipeline._pack_latents(noisy),
         encoder_hidden_states=data["prompt_embeds"],
         timestep=timestep,
         encoder_attention_mask=data["prompt_attention_mask"],
         num_frames=3, height=3, width=3, rope_interpolation_scale=(8 / 25, 32, 32),
         return_dict=False,
     )[0]  # fmt: skip
-    velocity = diffusers.LTXImageToVideoPipeline._unpack_latents(tokens, 3, 3, 3)
+    velocity = pipeline._unpack_latents(tokens, 3, 3, 3)
     theirs = ((velocity - (noise - x0))[:, :, 1:] ** 2).mean()
     torch.testing.assert_close(ours, theirs)
     ours.backward()
     assert all(p.grad is not None for p in model.parameters())
 
+    one_frame = batch(frames=1) | {"first_frame_latents": first}
     with pytest.raises(ValueError, match=r"at least 9 frames.*finetune\.data\.max_frames"):
-        LTXVideo().loss(model, batch(frames=1), objective, first_frame=True)
+        LTXVideoI2V().loss(model, one_frame, objective)
+
+
+def test_the_first_frame_condition_is_the_clips_first_latent_frame(pipe):
+    clip = torch.rand(2, 3, 9, 64, 32) * 2 - 1
+    i2v = LTXVideoI2V()
+    latents = i2v.encode_latents(pipe, clip, micro_batch_size=2)
+    condition = i2v.encode_condition(pipe, "image", clip[:, :, 0], clip, micro_batch_size=2)
+    assert condition.keys() == {"first_frame_latents"}
+    torch.testing.assert_close(condition["first_frame_latents"], latents[:, :, :1])
 
 
 def test_samples_come_from_the_text_and_image_to_video_pipelines(pipe):
+    from PIL import Image
+
     validation = SimpleNamespace(height=64, width=32, steps=2, guidance=3.0, frames=9)
     text = LTXVideo().sample(pipe, ["a cat"], validation, torch.Generator().manual_seed(0))
-    first = torch.rand(1, 3, 64, 32)
-    image = LTXVideo().sample(
-        pipe, ["a cat"], validation, torch.Generator().manual_seed(0), images=first
+    i2v = LTXVideoI2V.tiny_pipeline()
+    first = Image.new("RGB", (32, 64), (200, 40, 40))
+    image = LTXVideoI2V().sample(
+        i2v, ["a cat"], validation, torch.Generator().manual_seed(0), {"image": [first]}
     )
     assert text.shape == image.shape == (1, 3, 9, 64, 32)
     assert text.min() >= 0 and text.max() <= 1
     assert not torch.allclose(text, image)
+    with pytest.raises(ValueError, match=r"trainer\.validation\.conditions\.image, one file per"):
+        LTXVideoI2V().sample(i2v, ["a cat"], validation, torch.Generator())
 
 
 def test_the_sequence_plan_of_plans_py_is_the_familys():
@@ -286,3 +307,10 @@ def deltas(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             scale = float(adapters[f"{module}.alpha"]) / down.shape[0]
             out[module] = scale * adapters[f"{module}.lora_B.weight"] @ down
     return out
+
+
+def test_the_key_map_is_found_through_fully_shards_subclass():
+    """fully_shard turns a model's class into an ``FSDP<Name>`` subclass of it."""
+    sharded = type("FSDPLTXVideoTransformer3DModel", (diffusers.LTXVideoTransformer3DModel,), {})
+    torch.manual_seed(0)
+    assert key_map_for(sharded(**LTXVideo.tiny_config)) is LTXVideo.original_keys

@@ -97,9 +97,17 @@ def key_map_for(transformer: Any) -> KeyMap | None:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    found = [cls for cls in families().values() if cls.transformer_class == name]
-    return found[0].original_keys if found else None
+    # fully_shard makes a model an FSDP<Name> subclass of its class: look through the bases.
+    names = (
+        [transformer]
+        if isinstance(transformer, str)
+        else [cls.__name__ for cls in type(transformer).__mro__]
+    )
+    for name in names:
+        found = [cls for cls in families().values() if cls.transformer_class == name]
+        if found:
+            return found[0].original_keys
+    return None
 
 
 def original_format_classes() -> list[str]:

@@ -14,12 +14,17 @@ twice); LiteGen trains at the pipeline's default frame rate, 25. The scheduler s
 noise levels by the token count (``use_dynamic_shifting``), as the pipeline's
 ``calculate_shift`` does when it samples.
 
-Image-to-video is first-frame conditioning, as ``LTXImageToVideoPipeline`` samples: the first
-latent frame (the VAE encodes it alone, so it is the image's latent) stays clean, its tokens
-take timestep 0, and the loss covers the other frames' tokens only. The same checkpoint does
-both, so it is a condition of this family (:meth:`LTXVideo.loss` with ``first_frame``), and a
-validation sample with a first frame is drawn through ``LTXImageToVideoPipeline`` built from the
-same components.
+Image-to-video (:class:`LTXVideoI2V`, ``LTXImageToVideoPipeline``) is first-frame
+conditioning, as that pipeline samples: the first latent frame is the clean latents of the
+first frame (the ``image`` media condition; the clip's own frame 0 when the media folder gives
+none, which the VAE encodes alone, so the two agree), its tokens take timestep 0, and the loss
+covers the other frames' tokens only. It trains on clips of at least 9 frames (two latent
+frames). The published checkpoint (Lightricks/LTX-Video) does both, but its ``model_index.json``
+names ``LTXPipeline``, and LiteGen picks the family by that name: to train image-to-video, point
+``finetune.pipeline`` at a copy saved as ``LTXImageToVideoPipeline`` (``LTXImageToVideoPipeline
+.from_pretrained(folder).save_pretrained(copy)``, or that one field of ``model_index.json``
+edited). Validation samples take one first frame per prompt (``trainer.validation.conditions
+.image``).
 
 Sequence parallelism splits the packed tokens, their rotary embedding and a per-token timestep
 at the model's input, and gathers ``proj_out``; the text stays whole.
@@ -32,11 +37,15 @@ the adapters of the blocks (attention, feed-forward), ``caption_projection`` and
 adapters of ``patchify_proj`` or ``adaln_single`` in an original-format LoRA are read by ComfyUI
 but not by diffusers' ``load_lora_weights`` (use the diffusers-format file there).
 
+The rotary embedding's time scale assumes the pipeline's default 25 frames per second: clips of
+another rate (after ``finetune.data.frame_stride``) train at that scale all the same.
+
 Example::
 
-    from litegen.families.ltx_video import LTXVideo
+    from litegen.families.ltx_video import LTXVideo, LTXVideoI2V
 
-    pipe = LTXVideo.tiny_pipeline()  # an LTXPipeline at LTXVideo.tiny_config, random weights
+    pipe = LTXVideo.tiny_pipeline()     # an LTXPipeline at LTXVideo.tiny_config, random weights
+    i2v = LTXVideoI2V.tiny_pipeline()   # an LTXImageToVideoPipeline of the same components
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from litegen.families.base import (
     Family,
     LatentRules,
+    MediaCondition,
     max_length,
     model_dtype,
     pipeline_settings,
@@ -269,59 +279,93 @@ class LTXVideo(Family):
         )[0]
         return unpack(prediction, f, h, w)
 
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(self, pipe, prompts, validation, generator, conditions=None):
+        frames = pipe(
+            prompt=prompts,
+            **pipeline_settings(validation, num_frames=validation.frames),
+            max_sequence_length=max_length(pipe.tokenizer),
+            generator=generator,
+            output_type="pt",
+        ).frames  # (N, T, C, H, W) in [0, 1]
+        return frames.transpose(1, 2)
+
+
+class LTXVideoI2V(LTXVideo):
+    """LTX-Video image-to-video: the same transformer, its first latent frame the clean
+    latents of a first frame (the ``image`` condition; the clip's frame 0 by default) at
+    timestep 0, the loss on the other frames."""
+
+    name = "ltx_video_i2v"
+    pipeline_class = "LTXImageToVideoPipeline"
+    conditions: ClassVar[dict[str, str]] = {
+        **LTXVideo.conditions,
+        "first_frame_latents": "the VAE latents of the first frame (one latent frame), "
+        "normalised as the clip's",
+    }
+    media_conditions: ClassVar[dict[str, MediaCondition]] = {
+        "image": MediaCondition(
+            "image", "the first frame the video starts from", default="first_frame"
+        )
+    }
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0) -> Any:
+        """An ``LTXImageToVideoPipeline`` of the text-to-video tiny pipeline's components."""
+        from diffusers import LTXImageToVideoPipeline
+
+        return LTXImageToVideoPipeline(**LTXVideo.tiny_pipeline(seed).components)
+
+    def encode_condition(self, pipe, name, pixels, clip, micro_batch_size):
+        if name != "image":
+            return super().encode_condition(pipe, name, pixels, clip, micro_batch_size)
+        # The VAE encodes a clip's first frame alone: an image's latents are that frame's.
+        latents = self.encode_latents(pipe, pixels, micro_batch_size)
+        return {"first_frame_latents": latents}
+
     def loss(
-        self,
-        model: Any,
-        batch: dict[str, torch.Tensor],
-        objective: FlowMatching,
-        *,
-        first_frame: bool = False,
+        self, model: Any, batch: dict[str, torch.Tensor], objective: FlowMatching
     ) -> torch.Tensor:
-        """The flow-matching loss; with ``first_frame`` (image-to-video), the first latent
-        frame stays clean at timestep 0 and the loss covers the other frames.
-
-        Example::
-
-            loss = LTXVideo(scheduler_config).loss(model, batch, objective, first_frame=True)
-        """
-        if not first_frame:
-            return super().loss(model, batch, objective)
+        """The flow-matching loss of the frames after the first, the first latent frame
+        clean at timestep 0 (the pipeline's ``t * (1 - conditioning_mask)``)."""
         import torch
 
         x0 = batch["latents"].float()
         if x0.shape[2] < 2:
             raise ValueError(
-                "LTX-Video's first-frame conditioning needs clips of at least 9 frames (two "
-                "latent frames): raise finetune.data.max_frames."
+                f"{self.pipeline_class} trains on clips of at least "
+                f"{self.latent.temporal_compression + 1} frames (two latent frames); this batch "
+                "has one (an image, or finetune.data.max_frames too small): leave images out "
+                "of the media folder and raise finetune.data.max_frames."
             )
+        first = batch["first_frame_latents"].to(x0)
         noise = torch.randn_like(x0)
-        sigmas = objective.sample_sigmas(
-            x0.shape[0], device=x0.device, shift=self.shift_for(self.seq_len(x0))
-        )
+        shift = self.shift_for(self.seq_len(x0))
+        sigmas = objective.sample_sigmas(x0.shape[0], device=x0.device, shift=shift)
         noisy = objective.add_noise(x0, noise, sigmas)
-        noisy = torch.cat([x0[:, :, :1], noisy[:, :, 1:]], dim=2)
+        noisy = torch.cat([first, noisy[:, :, 1:]], dim=2)
         per_token = sigmas.view(-1, 1, 1, 1).expand(-1, *x0.shape[2:]).clone()
-        per_token[:, 0] = 0.0  # the conditioning frame: timestep 0, as the pipeline samples it
+        per_token[:, 0] = 0.0  # the conditioning frame
         prediction = self.predict(model, noisy, per_token, batch)
         return objective.loss(prediction[:, :, 1:], x0[:, :, 1:], noise[:, :, 1:], sigmas)
 
-    # -- sampling ---------------------------------------------------------------------------
-    def sample(self, pipe, prompts, validation, generator, images=None):
-        """Text-to-video samples, or image-to-video ones through ``LTXImageToVideoPipeline``
-        when ``images`` (one first frame per prompt) are given."""
-        settings = pipeline_settings(validation, num_frames=validation.frames)
-        if images is not None:
-            from diffusers import LTXImageToVideoPipeline
-
-            pipe = LTXImageToVideoPipeline(**pipe.components)
-            settings["image"] = images
+    def sample(self, pipe, prompts, validation, generator, conditions=None):
+        """Samples from a first frame per prompt (``conditions``'s ``image``, a
+        ``PIL.Image`` each), in one pipeline call."""
+        images = (conditions or {}).get("image")
+        if images is None or len(images) != len(prompts):
+            raise ValueError(
+                f"{self.pipeline_class} samples from a first frame per prompt: give "
+                "trainer.validation.conditions.image, one file per prompt."
+            )
         frames = pipe(
+            image=list(images),
             prompt=prompts,
-            **settings,
+            **pipeline_settings(validation, num_frames=validation.frames),
             max_sequence_length=max_length(pipe.tokenizer),
             generator=generator,
             output_type="pt",
-        ).frames  # (N, T, C, H, W) in [0, 1]
+        ).frames
         return frames.transpose(1, 2)
 
 
@@ -340,4 +384,12 @@ def rope_interpolation_scale(latent: LatentRules) -> tuple[float, float, float]:
     return (time / FRAME_RATE, latent.spatial_compression, latent.spatial_compression)
 
 
-__all__ = ["FRAME_RATE", "ORIGINAL_KEYS", "LTXVideo", "normalise", "pack", "unpack"]
+__all__ = [
+    "FRAME_RATE",
+    "ORIGINAL_KEYS",
+    "LTXVideo",
+    "LTXVideoI2V",
+    "normalise",
+    "pack",
+    "unpack",
+]
