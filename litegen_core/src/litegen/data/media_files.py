@@ -110,12 +110,10 @@ def scan_media(
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
     root = Path(root)
     paths, media = _listing(root, recursive)
-    companions: dict[Path, dict[str, Path]] = {}
-    if conditions is not None:  # condition files are not samples
-        media, companions, orphans = companion_files(media)
-        bad_orphans = [
-            BadFile(p, "condition file without a media file of the same name") for p in orphans
-        ]
+    # Companion condition files are not samples (when conditions are looked at).
+    media, companions, orphans = (
+        companion_files(media) if conditions is not None else (media, {}, [])
+    )
     # Names that are not UTF-8 cannot go into the cache keys or most logs: named, left out.
     bad = [
         BadFile(path, "its name is not valid UTF-8: rename it (e.g. convmv -f latin1 -t utf8)")
@@ -124,12 +122,12 @@ def scan_media(
     ]
     captions, bad_captions, columns = _captions(root, paths, media, max_caption_bytes)
     bad += bad_captions
-    found: dict[Path, dict[str, Path]] = {}
-    if conditions is not None:
+    found: dict[Path, dict[str, Path]] = {}  # media path -> its condition files by name
+    if conditions is not None:  # a metadata column wins over a companion file
         found = {
             p: {**companions.get(p, {}), **columns.get(p, {})} for p in {*companions, *columns}
         }
-        bad += bad_orphans
+        bad += [BadFile(p, "condition file without a media file of the same name") for p in orphans]
         problem = untaken_problem(root, found, conditions)
         if problem:
             raise ValueError(problem)

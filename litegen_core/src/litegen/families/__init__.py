@@ -97,7 +97,7 @@ def key_map_for(transformer: Any) -> KeyMap | None:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    # fully_shard makes a model an FSDP<Name> subclass of its class: look through the bases.
+    # fully_shard makes a subclass FSDP<Class>: the model's own class is further up its MRO.
     names = (
         [transformer]
         if isinstance(transformer, str)
@@ -112,7 +112,7 @@ def key_map_for(transformer: Any) -> KeyMap | None:
 
 def original_format_classes() -> list[str]:
     """The transformer classes whose original checkpoint layout LiteGen writes."""
-    return sorted(cls.transformer_class for cls in families().values() if cls.original_keys)
+    return sorted({cls.transformer_class for cls in families().values() if cls.original_keys})
 
 
 __all__ = [
