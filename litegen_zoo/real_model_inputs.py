@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from litegen.families.flux import Flux
+from litegen.families.ltx_video import LTXVideo
 from litegen.families.wan import Wan
 
 Batch = dict[str, torch.Tensor]
@@ -173,15 +174,5 @@ def ltx_conditions(config: dict, shape: LatentShape, b: int, gen: torch.Generato
 
 
 def ltx_run(model, config, noisy, t, batch) -> torch.Tensor:
-    b, c, f, h, w = noisy.shape
-    out = model(
-        noisy.flatten(2).transpose(1, 2),
-        encoder_hidden_states=batch["text"],
-        timestep=t * 1000,
-        encoder_attention_mask=batch["text_mask"],
-        num_frames=f,
-        height=h,
-        width=w,
-        return_dict=False,
-    )
-    return sample(out).transpose(1, 2).reshape(b, c, f, h, w)
+    conditions = {"prompt_embeds": batch["text"], "prompt_attention_mask": batch["text_mask"]}
+    return LTXVideo().predict(model, noisy, t, conditions)

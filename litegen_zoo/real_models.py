@@ -3,7 +3,7 @@
 The table :data:`REAL_MODELS`: one :class:`~litegen_zoo.real_model_spec.RealModel` per
 architecture, with the published config of its reference checkpoint, a tiny config of the same
 class, the latent size each is used at, and the calls that make its conditions and run its
-``forward`` (``real_model_inputs.py``). The architectures a model family trains (Wan, Flux)
+``forward`` (``real_model_inputs.py``). The architectures a model family trains (Wan, Flux, LTX-Video)
 take their configs and their forward from :mod:`litegen.families`. ``RealModel``, ``Batch`` and ``LatentShape`` are
 importable from here too.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from litegen.families.flux import Flux
+from litegen.families.ltx_video import LTXVideo
 from litegen.families.wan import Wan
 from litegen_zoo.real_model_inputs import (
     Batch,
@@ -262,32 +263,9 @@ REAL_MODELS: dict[str, RealModel] = {
         ),
         RealModel(
             name="ltx_video",
-            class_name="LTXVideoTransformer3DModel",
-            # Lightricks/LTX-Video (0.9); 161 frames at 512x704
-            reference={
-                "in_channels": 128,
-                "out_channels": 128,
-                "patch_size": 1,
-                "patch_size_t": 1,
-                "num_attention_heads": 32,
-                "attention_head_dim": 64,
-                "cross_attention_dim": 2048,
-                "num_layers": 28,
-                "qk_norm": "rms_norm_across_heads",
-                "norm_elementwise_affine": False,
-                "norm_eps": 1e-6,
-                "caption_channels": 4096,
-                "attention_bias": True,
-                "attention_out_bias": True,
-            },
-            tiny=_HEADS
-            | {
-                "in_channels": 8,
-                "out_channels": 8,
-                "cross_attention_dim": 32,
-                "num_layers": 2,
-                "caption_channels": 16,
-            },
+            class_name=LTXVideo.transformer_class,
+            reference=LTXVideo.reference_config,  # Lightricks/LTX-Video (0.9); 161 frames at 512x704
+            tiny=LTXVideo.tiny_config,
             reference_shape=LatentShape(16, 22, frames=21, text_tokens=128),
             tiny_shape=LatentShape(4, 4, frames=2, text_tokens=6),
             latent_layout="bcfhw",

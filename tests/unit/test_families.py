@@ -24,7 +24,8 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     """Cached-sample shapes: latents of 4 channels (2 frames for a video family) and text."""
     generator = torch.Generator().manual_seed(0)
     frames = (2,) if family.latent.is_video else ()
-    text = family.tiny_config.get("text_dim") or family.tiny_config["joint_attention_dim"]
+    config = family.tiny_config
+    text = config.get("text_dim") or config.get("caption_channels") or config["joint_attention_dim"]
     out = {
         "latents": torch.randn(batch, 4, *frames, 4, 4, generator=generator),
         "prompt_embeds": torch.randn(batch, 6, text, generator=generator),
@@ -32,6 +33,28 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     if "pooled" in family.conditions:
         pooled = family.tiny_config["pooled_projection_dim"]
         out["pooled"] = torch.randn(batch, pooled, generator=generator)
+    if family.media_conditions:
+        out |= media_condition_tensors(family, out["latents"].shape, generator)
+    return out
+
+
+def media_condition_tensors(family, latent_shape, generator) -> dict[str, torch.Tensor]:
+    """The tensors of the family's media conditions for latents of ``latent_shape``, encoded
+    by its tiny pipeline from random pixels of the matching size, and its text tensors (a
+    family with conditions may need its own text length: Wan I2V's 512 tokens)."""
+    pipe = family.tiny_pipeline()
+    rules = family.latent
+    size = [side * rules.spatial_compression for side in latent_shape[-2:]]
+    frames = [(latent_shape[2] - 1) * rules.temporal_compression + 1] if rules.is_video else []
+    clip = torch.rand(latent_shape[0], 3, *frames, *size, generator=generator) * 2 - 1
+    with torch.no_grad():
+        out = family({}).encode_text(pipe, ["a fox"] * latent_shape[0])
+    for name, condition in family.media_conditions.items():
+        pixels = clip[:, :, 0] if rules.is_video else clip
+        if condition.kind == "video":
+            pixels = clip
+        with torch.no_grad():
+            out |= family({}).encode_condition(pipe, name, pixels, clip, micro_batch_size=2)
     return out
 
 
@@ -40,9 +63,13 @@ def test_the_registry_holds_the_families_and_names_them_when_asked_for_another()
     for name, family in families().items():
         assert family_named(name) is family
         assert family_for_pipeline(family.pipeline_class) is family
-        assert family_for_transformer(family.transformer_class) is family
+        # Families of one transformer class (Wan T2V and I2V) share its key map and plan.
+        found = family_for_transformer(family.transformer_class)
+        assert found.transformer_class == family.transformer_class
+        assert found.original_keys is family.original_keys
+        assert found.sequence_plan.__func__ is family.sequence_plan.__func__
     with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
-                       r"families are flux \(FluxPipeline\), wan \(WanPipeline\)"):  # fmt: skip
+                       r"families are flux \(FluxPipeline\), ltx_video \(LTXPipeline\), ltx_video_i2v"):  # fmt: skip
         family_for_pipeline("CogVideoXPipeline")
     with pytest.raises(ValueError, match="the families are flux"):
         family_for_transformer("SD3Transformer2DModel")
@@ -133,3 +160,14 @@ def test_the_tiny_pipeline_holds_the_family_classes(name):
     assert type(pipe.transformer).__name__ == family.transformer_class
     components = {k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     assert components == {*family.trained, *family.frozen}
+
+
+def test_the_key_map_of_a_sharded_transformer_is_its_class_s():
+    """fully_shard turns a model's class into a subclass FSDP<Class>: its export still finds
+    the original layout (the end-of-run export of an fsdp2 LoRA run writes that file)."""
+    from litegen.families import key_map_for, original_format_classes
+
+    wan = tiny_transformer(Wan)
+    wan.__class__ = type("FSDPWanTransformer3DModel", (type(wan),), {})
+    assert key_map_for(wan) is Wan.original_keys
+    assert original_format_classes() == sorted(set(original_format_classes()))

@@ -21,7 +21,7 @@ import inspect
 import pkgutil
 from typing import Any
 
-from litegen.families.base import Family, LatentRules
+from litegen.families.base import Family, LatentRules, MediaCondition
 from litegen.families.key_map import KeyMap
 
 # This package's modules that declare no family: not imported by the registry (so the
@@ -73,8 +73,9 @@ def family_for_pipeline(pipeline_class: str) -> type[Family]:
 
 
 def family_for_transformer(transformer_class: str) -> type[Family]:
-    """The family whose trained transformer is of class ``transformer_class``; ValueError
-    naming the families that exist when none is.
+    """The family whose trained transformer is of class ``transformer_class`` (the first by
+    name where several share it, as Wan's text- and image-to-video do: they share its key map
+    and sequence plan); ValueError naming the families that exist when none is.
 
     Example:
         >>> family_for_transformer("FluxTransformer2DModel").name
@@ -96,19 +97,28 @@ def key_map_for(transformer: Any) -> KeyMap | None:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    found = [cls for cls in families().values() if cls.transformer_class == name]
-    return found[0].original_keys if found else None
+    # fully_shard makes a subclass FSDP<Class>: the model's own class is further up its MRO.
+    names = (
+        [transformer]
+        if isinstance(transformer, str)
+        else [cls.__name__ for cls in type(transformer).__mro__]
+    )
+    for name in names:
+        found = [cls for cls in families().values() if cls.transformer_class == name]
+        if found:
+            return found[0].original_keys
+    return None
 
 
 def original_format_classes() -> list[str]:
     """The transformer classes whose original checkpoint layout LiteGen writes."""
-    return sorted(cls.transformer_class for cls in families().values() if cls.original_keys)
+    return sorted({cls.transformer_class for cls in families().values() if cls.original_keys})
 
 
 __all__ = [
     "Family",
     "LatentRules",
+    "MediaCondition",
     "families",
     "family_for_pipeline",
     "family_for_transformer",

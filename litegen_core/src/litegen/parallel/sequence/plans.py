@@ -16,7 +16,7 @@ The plans of the classes a model family trains live in that family's module
 then in :data:`BUILTIN`.
 
 Example:
-    >>> "WanTransformer3DModel" in builtin_names(), "LTXVideoTransformer3DModel" in BUILTIN
+    >>> "LTXVideoTransformer3DModel" in builtin_names(), "CogVideoXTransformer3DModel" in BUILTIN
     (True, True)
 """
 
@@ -26,20 +26,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from litegen.parallel.sequence.plan import PLAN_ATTRIBUTE, SequencePlan, Split
-
-# A timestep of shape (B, S) is per token (Wan 2.2 TI2V, LTX-Video conditioning); (B,) is not.
-PER_TOKEN = Split(1, ndim=2)
-
-
-def ltx_video(model: nn.Module) -> SequencePlan:
-    """LTX-Video: the patchified input (B, S, C) and its rotary embedding (B, S, D) split."""
-    return SequencePlan(
-        split_inputs={"": {"hidden_states": 1, "timestep": PER_TOKEN}},
-        split_outputs={"rope": {0: 1, 1: 1}},
-        gather_outputs={"proj_out": 1},
-        attention={"transformer_blocks.*.attn1": "self"},
-    )
+from litegen.parallel.sequence.plan import PLAN_ATTRIBUTE, SequencePlan
 
 
 def hunyuan_video(model: nn.Module) -> SequencePlan:
@@ -90,7 +77,6 @@ def dit_style(model: nn.Module) -> SequencePlan:
 
 # diffusers class name -> plan function; only classes defined in diffusers match.
 BUILTIN: dict[str, Callable[[nn.Module], SequencePlan]] = {
-    "LTXVideoTransformer3DModel": ltx_video,
     "HunyuanVideoTransformer3DModel": hunyuan_video,
     "CogVideoXTransformer3DModel": cogvideox,
     "DiTTransformer2DModel": dit_style,
