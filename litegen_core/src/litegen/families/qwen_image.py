@@ -1,0 +1,391 @@
+"""Qwen-Image text-to-image (``QwenImagePipeline``, ``QwenImageTransformer2DModel``).
+
+Latents: ``AutoencoderKLQwenImage``, a Wan-like VAE (8x in space) run on one-frame clips,
+normalised by the VAE config's ``latents_mean`` and ``latents_std``, then packed into 2x2
+patches (the transformer's tokens, as Flux). Condition: the last hidden state of the
+Qwen2.5-VL text encoder over the pipeline's chat template, the template's first
+``prompt_template_encode_start_idx`` tokens dropped, with its padding mask. The cache pads
+every caption to one length (the tokenizer's, at most 512: the pipeline's
+``max_sequence_length``) so that samples batch; the training forward trims the batch to its
+longest caption, which the mask makes exact. The transformer takes the noise level itself as
+its timestep, ``img_shapes`` (frames, rows, columns of packed tokens) for its rotary
+embedding and the text mask. The scheduler shifts the noise levels by the token count
+(``use_dynamic_shifting``); ``shift_terminal`` only stretches the sampling schedule.
+
+Validation samples use true classifier-free guidance (``true_cfg_scale``, with an empty
+negative prompt) when ``trainer.validation.guidance`` is above 1. Original-format LoRA files
+keep diffusers' module names under ``diffusion_model.`` (the names of Qwen's checkpoint and
+ComfyUI's). No sequence-parallel plan: the text and image streams attend jointly, and
+splitting the image tokens needs the rotary table split alike (feasible, not written).
+
+The tiny pipeline's tokenizer is a byte-level BPE trained offline on the chat templates, so
+its template prefix is 34 tokens as Qwen's own: the pipeline drops exactly the template.
+
+Example::
+
+    from litegen.families.qwen_image import QwenImage
+
+    pipe = QwenImage.tiny_pipeline()  # a QwenImagePipeline at QwenImage.tiny_config
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from litegen.families.base import (
+    Family,
+    LatentRules,
+    max_length,
+    model_dtype,
+    pipeline_settings,
+)
+from litegen.families.key_map import KeyMap
+
+if TYPE_CHECKING:
+    import torch
+
+# Qwen-Image's checkpoint (and ComfyUI's model) name the transformer's modules as diffusers
+# does; LoRA files carry them under diffusion_model., which diffusers' Qwen loader strips.
+_BLOCK_LINEARS = (
+    "img_mod.1",
+    "txt_mod.1",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_out.0",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+    "attn.norm_q",
+    "attn.norm_k",
+    "attn.norm_added_q",
+    "attn.norm_added_k",
+)
+_OUTER = (
+    "img_in",
+    "txt_in",
+    "txt_norm",
+    "time_text_embed.timestep_embedder.linear_1",
+    "time_text_embed.timestep_embedder.linear_2",
+    "norm_out.linear",
+    "proj_out",
+)
+_NAMES = (*_OUTER, *(f"transformer_blocks.{{i}}.{name}" for name in _BLOCK_LINEARS))
+ORIGINAL_KEYS = KeyMap(modules={name: (name,) for name in _NAMES})
+
+# The chat templates of QwenImagePipeline and QwenImageEditPipeline, {} for the prompt: the
+# tiny tokenizer learns their words whole, so their prefixes tokenize to Qwen's own counts.
+CHAT_TEMPLATES = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
+    "texture, objects, background), then explain how the user's text instruction should alter "
+    "or modify the image. Generate a new image that meets the user's requirements while "
+    "maintaining consistency with the original input where appropriate.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n",
+)
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2's pre-tokenizer split: words with their leading space, digits one by one.
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def tiny_qwen_tokenizer(max_length: int) -> Any:
+    """A byte-level BPE with Qwen2's special tokens and split, trained on the tiny corpus and
+    the chat templates: any prompt tokenizes, the templates' words are one token each."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from litegen.families.tiny_text import CORPUS
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([*CORPUS, *(t.format("") for t in CHAT_TEMPLATES)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        model_max_length=max_length,
+    )
+
+
+def tiny_qwen_vl(tokenizer: Any) -> Any:
+    """A ``Qwen2_5_VLForConditionalGeneration`` of width 32, one text layer and one vision
+    block (patches of 14, merged 2x2), its special token ids those of ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "bos_token_id": None,
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],  # half the head width of 16
+            },
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def tiny_qwen_vae() -> Any:
+    """An ``AutoencoderKLQwenImage`` compressing 8x with 4 channels, normalised by a mean and
+    std other than 0 and 1 (so a test sees a normalisation left out)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.1, 0.2, 0.0],
+        latents_std=[0.5, 1.5, 1.0, 2.0],
+    )
+
+
+def latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE config's per-channel mean and std, shaped (1, C, 1, 1, 1) like ``like``."""
+    import torch
+
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(like)
+    return mean, std
+
+
+def encode_images(vae: Any, pixels: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+    """(B, 3, H, W) images in [-1, 1] -> normalised (B, C, H/8, W/8) latents (the VAE's mode)."""
+    from litegen.utils.encode import vae_encode
+
+    latents = vae_encode(
+        vae, pixels.unsqueeze(2), micro_batch_size=micro_batch_size, sample=False, scale=False
+    )
+    mean, std = latent_stats(vae, latents)
+    return ((latents - mean) / std).squeeze(2)
+
+
+def text_conditions(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> dict:
+    """The pipeline's text embeddings and mask, padded or cut to ``length`` tokens."""
+    import torch
+
+    b, n, _ = embeds.shape
+    if mask is None:  # the pipeline drops an all-ones mask
+        mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
+    embeds, mask = embeds[:, :length], mask[:, :length].long()
+    pad = length - embeds.shape[1]
+    if pad:
+        embeds = torch.cat([embeds, embeds.new_zeros(b, pad, embeds.shape[2])], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(b, pad)], dim=1)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+
+def trimmed_text(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple:
+    """The batch's text embeddings and mask cut to its longest caption (the rest is padding,
+    which the mask hides: the cut changes no output). A batch without a mask is all text."""
+    embeds = batch["prompt_embeds"].to(dtype)
+    mask = batch.get("prompt_embeds_mask")
+    if mask is None:
+        return embeds, None
+    length = int(mask.sum(dim=1).max())
+    return embeds[:, :length], mask[:, :length]
+
+
+@contextlib.contextmanager
+def last_text_stream(model: Any) -> Iterator[list[torch.Tensor]]:
+    """The text stream out of the transformer's last block, caught during a forward.
+
+    The last block's text output (its ``attn.to_add_out`` and ``txt_mlp``) feeds nothing: the
+    prediction is the image stream. Adding ``0 * text.sum()`` to the prediction gives those
+    parameters zero gradients instead of none, as DDP's reducer needs of every parameter.
+    """
+    while not hasattr(model, "transformer_blocks") and hasattr(model, "module"):
+        model = model.module  # DDP
+    caught: list[torch.Tensor] = []
+
+    def catch(module: Any, args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        caught[:] = [out[0]]  # (text, image); a recomputation under checkpointing re-catches
+
+    handle = model.transformer_blocks[-1].register_forward_hook(catch)
+    try:
+        yield caught
+    finally:
+        handle.remove()
+
+
+class QwenImage(Family):
+    """Qwen-Image text-to-image: Qwen2.5-VL embeddings with a mask, 2x2-packed latents."""
+
+    name = "qwen_image"
+    pipeline_class = "QwenImagePipeline"
+    transformer_class = "QwenImageTransformer2DModel"
+    original_keys = ORIGINAL_KEYS
+    frozen = ("vae", "text_encoder")
+    latent = LatentRules(
+        spatial_compression=8,
+        patch_size=2,
+        normalisation="(z - latents_mean) / latents_std, then 2x2 patches packed as tokens",
+    )
+    conditions: ClassVar[dict[str, str]] = {
+        "prompt_embeds": "Qwen2.5-VL's last hidden state after the chat template, padded to "
+        "the tokenizer length (at most 512)",
+        "prompt_embeds_mask": "1 for the caption's tokens, 0 for the padding",
+    }
+    reference_config: ClassVar[dict[str, Any]] = {  # Qwen/Qwen-Image/transformer
+        "patch_size": 2,
+        "in_channels": 64,
+        "out_channels": 16,
+        "num_layers": 60,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 3584,
+        "guidance_embeds": False,
+        "axes_dims_rope": (16, 56, 56),
+    }
+    tiny_config: ClassVar[dict[str, Any]] = {  # two blocks: FSDP units and checkpointing
+        "patch_size": 2,
+        "in_channels": 16,  # 4 latent channels in 2x2 patches
+        "out_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "axes_dims_rope": (4, 6, 6),
+    }
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0) -> Any:
+        """A ``QwenImagePipeline``: a tiny Qwen2.5-VL, a Qwen-Image VAE, the MMDiT."""
+        import torch
+        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen_tokenizer(32)
+        return QwenImagePipeline(
+            scheduler=tiny_scheduler(),
+            vae=tiny_qwen_vae(),
+            text_encoder=tiny_qwen_vl(tokenizer),
+            tokenizer=tokenizer,
+            transformer=QwenImageTransformer2DModel(**cls.tiny_config),
+        )
+
+    def encode_latents(self, pipe, pixels, micro_batch_size):
+        return encode_images(pipe.vae, pixels, micro_batch_size)
+
+    def encode_text(self, pipe, captions):
+        length = max_length(pipe.tokenizer)
+        embeds, mask = pipe.encode_prompt(captions, device=pipe.device, max_sequence_length=length)
+        return text_conditions(embeds, mask, length)
+
+    def predict(self, model, noisy, sigmas, batch):
+        from litegen.families.flux import pack, unpack
+
+        b, _, h, w = noisy.shape
+        dtype = model_dtype(model)
+        text, mask = trimmed_text(batch, dtype)
+        with last_text_stream(model) as text_out:
+            prediction = model(
+                hidden_states=pack(noisy).to(dtype),
+                timestep=sigmas.to(dtype),  # the pipeline passes timestep / 1000: the noise level
+                encoder_hidden_states=text,
+                encoder_hidden_states_mask=mask,
+                img_shapes=[[(1, h // 2, w // 2)]] * b,
+                return_dict=False,
+            )[0]
+        return unpack(prediction + 0 * text_out[0].sum(), h, w)
+
+    def sample(self, pipe, prompts, validation, generator):
+        return pipe(
+            prompt=prompts,
+            **guidance_settings(validation),
+            max_sequence_length=max_length(pipe.tokenizer),
+            generator=generator,
+            output_type="pt",
+        ).images  # (N, C, H, W) in [0, 1]
+
+
+def tiny_scheduler() -> Any:
+    """Qwen-Image's scheduler settings at the tiny pipeline's token counts (16 to 256)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=16,
+        max_image_seq_len=256,
+        base_shift=0.5,
+        max_shift=0.9,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+
+
+def guidance_settings(validation: Any) -> dict[str, Any]:
+    """``trainer.validation``'s settings as Qwen's pipelines take them: the guidance is true
+    classifier-free guidance against an empty negative prompt (``true_cfg_scale``)."""
+    settings = pipeline_settings(validation)
+    guidance = settings.pop("guidance_scale", None)
+    if guidance is not None and guidance > 1:
+        return {**settings, "true_cfg_scale": guidance, "negative_prompt": " "}
+    return {**settings, "true_cfg_scale": 1.0}
+
+
+__all__ = [
+    "ORIGINAL_KEYS",
+    "QwenImage",
+    "encode_images",
+    "text_conditions",
+    "tiny_qwen_tokenizer",
+    "tiny_qwen_vl",
+]
