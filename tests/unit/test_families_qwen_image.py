@@ -104,6 +104,33 @@ def test_the_forward_is_the_pipelines_transformer_call():
     torch.testing.assert_close(ours, theirs)
 
 
+def test_reference_latents_follow_the_noisy_tokens_as_in_the_edit_pipeline():
+    """QwenImageEditPipeline's call: [noisy, reference] tokens, one img_shapes entry each, the
+    prediction cut to the noisy tokens."""
+    from diffusers import QwenImageEditPipeline
+
+    model, cached = tiny_transformer(), batch()
+    reference = torch.randn(2, 4, 6, 4, generator=torch.Generator().manual_seed(5))
+    latents, sigmas = cached["latents"], torch.tensor([0.25, 0.75])
+    pack = QwenImageEditPipeline._pack_latents
+    with torch.no_grad():
+        ours = QwenImage().predict(
+            model, latents, sigmas, {**cached, "reference_latents": reference}
+        )
+        tokens = model(
+            hidden_states=torch.cat([pack(latents, 2, 4, 4, 6), pack(reference, 2, 4, 6, 4)], 1),
+            timestep=sigmas,
+            encoder_hidden_states=cached["prompt_embeds"],
+            encoder_hidden_states_mask=cached["prompt_embeds_mask"],
+            img_shapes=[[(1, 2, 3), (1, 3, 2)]] * 2,
+            return_dict=False,
+        )[0][:, :6]
+        alone = QwenImage().predict(model, latents, sigmas, cached)
+    theirs = QwenImageEditPipeline._unpack_latents(tokens, 32, 48, 8)[:, :, 0]
+    torch.testing.assert_close(ours, theirs)
+    assert (ours - alone).abs().max() > 1e-3  # the reference tokens are attended to
+
+
 def test_trimming_the_text_padding_changes_nothing():
     model, short = tiny_transformer(), batch(length=8)
     long = dict(short)

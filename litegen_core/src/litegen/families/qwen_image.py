@@ -7,7 +7,10 @@ Qwen2.5-VL text encoder over the pipeline's chat template, the template's first
 ``prompt_template_encode_start_idx`` tokens dropped, with its padding mask. The cache pads
 every caption to one length (the tokenizer's, at most 512: the pipeline's
 ``max_sequence_length``) so that samples batch; the training forward trims the batch to its
-longest caption, which the mask makes exact. The transformer takes the noise level itself as
+longest caption, which the mask makes exact. A batch with ``reference_latents`` (normalised
+latents of a reference image, any size) trains Qwen-Image-Edit's forward: their packed tokens
+follow the noisy ones with their own ``img_shapes`` entry, and the prediction is the noisy
+tokens' part. The transformer takes the noise level itself as
 its timestep, ``img_shapes`` (frames, rows, columns of packed tokens) for its rotary
 embedding and the text mask. The scheduler shifts the noise levels by the token count
 (``use_dynamic_shifting``); ``shift_terminal`` only stretches the sampling schedule.
@@ -329,21 +332,29 @@ class QwenImage(Family):
         return text_conditions(embeds, mask, length)
 
     def predict(self, model, noisy, sigmas, batch):
+        import torch
+
         from litegen.families.flux import pack, unpack
 
         b, _, h, w = noisy.shape
         dtype = model_dtype(model)
         text, mask = trimmed_text(batch, dtype)
+        tokens, shapes = pack(noisy).to(dtype), [(1, h // 2, w // 2)]
+        reference = batch.get("reference_latents")
+        if reference is not None:  # Qwen-Image-Edit's: tokens after the noisy ones
+            tokens = torch.cat([tokens, pack(reference).to(dtype)], dim=1)
+            shapes.append((1, reference.shape[-2] // 2, reference.shape[-1] // 2))
         with last_text_stream(model) as text_out:
             prediction = model(
-                hidden_states=pack(noisy).to(dtype),
+                hidden_states=tokens,
                 timestep=sigmas.to(dtype),  # the pipeline passes timestep / 1000: the noise level
                 encoder_hidden_states=text,
                 encoder_hidden_states_mask=mask,
-                img_shapes=[[(1, h // 2, w // 2)]] * b,
+                img_shapes=[shapes] * b,
                 return_dict=False,
             )[0]
-        return unpack(prediction + 0 * text_out[0].sum(), h, w)
+        prediction = prediction[:, : (h // 2) * (w // 2)] + 0 * text_out[0].sum()
+        return unpack(prediction, h, w)
 
     def sample(self, pipe, prompts, validation, generator):
         return pipe(
