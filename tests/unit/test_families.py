@@ -24,11 +24,17 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     """Cached-sample shapes: latents of 4 channels (2 frames for a video family) and text."""
     generator = torch.Generator().manual_seed(0)
     frames = (2,) if family.latent.is_video else ()
-    text = family.tiny_config.get("text_dim") or family.tiny_config["joint_attention_dim"]
+    config = family.tiny_config
+    text = config.get("text_dim") or config.get("text_embed_dim") or config["joint_attention_dim"]
     out = {
         "latents": torch.randn(batch, 4, *frames, 4, 4, generator=generator),
         "prompt_embeds": torch.randn(batch, 6, text, generator=generator),
     }
+    if "prompt_embeds_mask" in family.conditions:
+        out["prompt_embeds_mask"] = torch.ones(batch, 6, dtype=torch.long)
+    if "prompt_embeds_2" in family.conditions:  # HunyuanVideo 1.5's glyph text
+        out["prompt_embeds_2"] = torch.randn(batch, 4, config["text_embed_2_dim"])
+        out["prompt_embeds_mask_2"] = torch.ones(batch, 4, dtype=torch.long)
     if "pooled" in family.conditions:
         pooled = family.tiny_config["pooled_projection_dim"]
         out["pooled"] = torch.randn(batch, pooled, generator=generator)

@@ -105,6 +105,10 @@ QWEN_SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Qwen2's pre-tokenizer split: words with their leading space, digits one by one.
 _QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -112,9 +116,10 @@ _QWEN_SPLIT = (
 )
 
 
-def tiny_qwen_tokenizer(max_length: int) -> Any:
-    """A byte-level BPE with Qwen2's special tokens and split, trained on the tiny corpus and
-    the chat templates: any prompt tokenizes, the templates' words are one token each."""
+def tiny_qwen_tokenizer(max_length: int, more: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE with Qwen2's special tokens and split, trained on the tiny corpus, the
+    chat templates and ``more``: any prompt tokenizes, the templates' words are one token each.
+    Its chat template is Qwen2's for system and user messages."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -129,16 +134,18 @@ def tiny_qwen_tokenizer(max_length: int) -> Any:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600,
+        vocab_size=1000,
         special_tokens=list(QWEN_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator([*CORPUS, *(t.format("") for t in CHAT_TEMPLATES)], trainer)
+    texts = [*CORPUS, *(t.format("") for t in CHAT_TEMPLATES), *more]
+    tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
         model_max_length=max_length,
+        chat_template=QWEN_CHAT_TEMPLATE,
     )
 
 
@@ -246,19 +253,21 @@ def trimmed_text(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple:
 
 
 @contextlib.contextmanager
-def last_text_stream(model: Any) -> Iterator[list[torch.Tensor]]:
-    """The text stream out of the transformer's last block, caught during a forward.
+def last_text_stream(model: Any, text_output: int) -> Iterator[list[torch.Tensor]]:
+    """The text stream out of the transformer's last dual-stream block (output number
+    ``text_output`` of ``transformer_blocks[-1]``), caught during a forward.
 
-    The last block's text output (its ``attn.to_add_out`` and ``txt_mlp``) feeds nothing: the
-    prediction is the image stream. Adding ``0 * text.sum()`` to the prediction gives those
-    parameters zero gradients instead of none, as DDP's reducer needs of every parameter.
+    In an MMDiT whose prediction is the image stream, the last block's text output (its
+    ``attn.to_add_out`` and text MLP) feeds nothing. Adding ``0 * text.sum()`` to the
+    prediction gives those parameters zero gradients instead of none, as DDP's reducer needs
+    of every parameter.
     """
     while not hasattr(model, "transformer_blocks") and hasattr(model, "module"):
         model = model.module  # DDP
     caught: list[torch.Tensor] = []
 
-    def catch(module: Any, args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-        caught[:] = [out[0]]  # (text, image); a recomputation under checkpointing re-catches
+    def catch(module: Any, args: Any, out: tuple[torch.Tensor, ...]) -> None:
+        caught[:] = [out[text_output]]  # a recomputation under checkpointing catches again
 
     handle = model.transformer_blocks[-1].register_forward_hook(catch)
     try:
@@ -344,7 +353,7 @@ class QwenImage(Family):
         if reference is not None:  # Qwen-Image-Edit's: tokens after the noisy ones
             tokens = torch.cat([tokens, pack(reference).to(dtype)], dim=1)
             shapes.append((1, reference.shape[-2] // 2, reference.shape[-1] // 2))
-        with last_text_stream(model) as text_out:
+        with last_text_stream(model, text_output=0) as text_out:
             prediction = model(
                 hidden_states=tokens,
                 timestep=sigmas.to(dtype),  # the pipeline passes timestep / 1000: the noise level
@@ -396,6 +405,7 @@ __all__ = [
     "ORIGINAL_KEYS",
     "QwenImage",
     "encode_images",
+    "last_text_stream",
     "text_conditions",
     "tiny_qwen_tokenizer",
     "tiny_qwen_vl",
