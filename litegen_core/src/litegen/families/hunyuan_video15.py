@@ -224,6 +224,10 @@ class HunyuanVideo15(Family):
             "num_inference_steps": validation.steps,
             "num_frames": validation.frames,
         }
+        # The pipeline reads these from its transformer when built; one built without it
+        # (the fine-tuning road loads the frozen parts alone) keeps the published defaults.
+        config = pipe.transformer.config
+        pipe.vision_states_dim, pipe.target_size = config.image_embed_dim, config.target_size
         guider = pipe.guider
         if validation.guidance is not None:  # the pipeline's guidance lives in its guider
             pipe.guider = ClassifierFreeGuidance(guidance_scale=validation.guidance)
