@@ -18,8 +18,10 @@ embedding and the text mask. The scheduler shifts the noise levels by the token 
 Validation samples use true classifier-free guidance (``true_cfg_scale``, with an empty
 negative prompt) when ``trainer.validation.guidance`` is above 1. Original-format LoRA files
 keep diffusers' module names under ``diffusion_model.`` (the names of Qwen's checkpoint and
-ComfyUI's). No sequence-parallel plan: the text and image streams attend jointly, and
-splitting the image tokens needs the rotary table split alike (feasible, not written).
+ComfyUI's). No sequence-parallel plan: the text and image streams attend jointly as [text,
+image] with a text mask the attention processor builds at the local image length, so a split
+needs that mask rebuilt over the gathered tokens (and diffusers' own ``_cp_plan`` names
+``transformer_blocks.*`` inputs, which LiteGen's reader refuses).
 
 The tiny pipeline's tokenizer is a byte-level BPE trained offline on the chat templates, so
 its template prefix is 34 tokens as Qwen's own: the pipeline drops exactly the template.
