@@ -146,12 +146,12 @@ def test_the_diffusers_lora_loads_in_the_transformer_as_trained(tmp_path):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     out = write_export(trained, trained.state_dict(), "unused", tmp_path, name="run")
     assert sorted(p.name for p in out.iterdir()) == ["run.lora.safetensors", "run.peft"]
-    cached, sigmas = batch(), torch.tensor([0.5, 0.5])
+    cached, sigmas, family = batch(), torch.tensor([0.5, 0.5]), HunyuanVideo15()
     fresh = tiny_transformer()
     with torch.no_grad():
-        want = pipeline_call(trained, cached["latents"], sigmas, cached)
-        base = pipeline_call(fresh, cached["latents"], sigmas, cached)
+        want = family.predict(trained, cached["latents"], sigmas, cached)
+        base = family.predict(fresh, cached["latents"], sigmas, cached)
         assert (want - base).abs().max() > 1e-2  # the adapters do something
         fresh.load_lora_adapter(str(out / "run.lora.safetensors"), prefix="transformer")
-        got = pipeline_call(fresh, cached["latents"], sigmas, cached)
+        got = family.predict(fresh, cached["latents"], sigmas, cached)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
