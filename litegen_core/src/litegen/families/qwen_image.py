@@ -7,10 +7,7 @@ Qwen2.5-VL text encoder over the pipeline's chat template, the template's first
 ``prompt_template_encode_start_idx`` tokens dropped, with its padding mask. The cache pads
 every caption to one length (the tokenizer's, at most 512: the pipeline's
 ``max_sequence_length``) so that samples batch; the training forward trims the batch to its
-longest caption, which the mask makes exact. A batch with ``reference_latents`` (normalised
-latents of a reference image, any size) trains Qwen-Image-Edit's forward: their packed tokens
-follow the noisy ones with their own ``img_shapes`` entry, and the prediction is the noisy
-tokens' part. The transformer takes the noise level itself as
+longest caption, which the mask makes exact. The transformer takes the noise level itself as
 its timestep, ``img_shapes`` (frames, rows, columns of packed tokens) for its rotary
 embedding and the text mask. The scheduler shifts the noise levels by the token count
 (``use_dynamic_shifting``); ``shift_terminal`` only stretches the sampling schedule.
@@ -22,6 +19,14 @@ ComfyUI's). No sequence-parallel plan: the text and image streams attend jointly
 image] with a text mask the attention processor builds at the local image length, so a split
 needs that mask rebuilt over the gathered tokens (and diffusers' own ``_cp_plan`` names
 ``transformer_blocks.*`` inputs, which LiteGen's reader refuses).
+
+Qwen-Image-Edit: a batch with ``reference_latents`` (normalised latents of a reference image,
+any size) trains ``QwenImageEditPipeline``'s forward: their packed tokens follow the noisy
+ones with their own ``img_shapes`` entry, and the prediction is the noisy tokens' part. The
+edit pipeline is not a family yet: its text encoder reads the reference image with the prompt
+(the text tensors, the empty caption's too, depend on the image, and a media condition's
+encoder is not given the captions), and its ``Qwen2VLProcessor`` needs torchvision, which
+LiteGen does not install.
 
 The tiny pipeline's tokenizer is a byte-level BPE trained offline on the chat templates, so
 its template prefix is 34 tokens as Qwen's own: the pipeline drops exactly the template.
