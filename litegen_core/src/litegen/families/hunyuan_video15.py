@@ -120,7 +120,7 @@ class HunyuanVideo15(Family):
         )
         from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-        from litegen.families.qwen_image import tiny_qwen_tokenizer
+        from litegen.families.tiny_qwen import tiny_qwen_tokenizer
         from litegen.families.tiny_text import tiny_t5_encoder
 
         torch.manual_seed(seed)
