@@ -25,11 +25,21 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     frames = (2,) if family.latent.is_video else ()
     config = family.tiny_config
-    text = config.get("text_dim") or config.get("caption_channels") or config["joint_attention_dim"]
+    text = (
+        config.get("text_dim")
+        or config.get("caption_channels")
+        or config.get("text_embed_dim")
+        or config["joint_attention_dim"]
+    )
     out = {
         "latents": torch.randn(batch, 4, *frames, 4, 4, generator=generator),
         "prompt_embeds": torch.randn(batch, 6, text, generator=generator),
     }
+    if "prompt_embeds_mask" in family.conditions:
+        out["prompt_embeds_mask"] = torch.ones(batch, 6, dtype=torch.long)
+    if "prompt_embeds_2" in family.conditions:  # HunyuanVideo 1.5's glyph text
+        out["prompt_embeds_2"] = torch.randn(batch, 4, config["text_embed_2_dim"])
+        out["prompt_embeds_mask_2"] = torch.ones(batch, 4, dtype=torch.long)
     if "pooled" in family.conditions:
         pooled = family.tiny_config["pooled_projection_dim"]
         out["pooled"] = torch.randn(batch, pooled, generator=generator)
@@ -69,7 +79,7 @@ def test_the_registry_holds_the_families_and_names_them_when_asked_for_another()
         assert found.original_keys is family.original_keys
         assert found.sequence_plan.__func__ is family.sequence_plan.__func__
     with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
-                       r"families are flux \(FluxPipeline\), ltx_video \(LTXPipeline\), ltx_video_i2v"):  # fmt: skip
+                       r"families are flux \(FluxPipeline\), .*wan \(WanPipeline\)"):  # fmt: skip
         family_for_pipeline("CogVideoXPipeline")
     with pytest.raises(ValueError, match="the families are flux"):
         family_for_transformer("SD3Transformer2DModel")
