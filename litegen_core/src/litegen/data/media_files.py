@@ -338,12 +338,22 @@ def _with_conditions(
         if path.suffix.lower() not in suffixes:
             what = "an image" if kind == "image" else "a video"
             return BadFile(file.path, f"its {name} condition {path} is not {what} file")
+        frames = None  # a video's length
         try:
-            _image_size(path) if kind == "image" else _video_size(path)
+            if kind == "image":
+                _image_size(path)
+            else:
+                frames = _video_size(path)[2]
         except Exception as error:  # the condition's fault, named with its media file
             return BadFile(
                 file.path,
                 f"its {name} condition {path} is unreadable ({type(error).__name__}: {error})",
+            )
+        if frames is not None and frames < file.frames:  # it is read at the clip's frames
+            return BadFile(
+                file.path,
+                f"its {name} condition {path} has {frames} frames, fewer than its "
+                f"{file.frames}: give a video at least as long as the clip",
             )
     return dataclasses.replace(file, conditions=tuple(sorted(given.items())))
 
