@@ -201,3 +201,15 @@ def test_weights_load_with_from_single_file(tmp_path: Path):
         local_files_only=True,
     )
     torch.testing.assert_close(outputs(loaded), outputs(model))
+
+
+def test_the_key_map_follows_a_transformer_that_fully_shard_subclassed():
+    """fully_shard turns a model's class into an FSDP<class> subclass: the export still finds
+    the original layout (a run under fsdp2 writes the original-format LoRA)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from litegen.families import key_map_for
+
+    sharded = type("FSDPFlux2Transformer2DModel", (Flux2Transformer2DModel,), {})
+    assert key_map_for(object.__new__(sharded)) is ORIGINAL_KEYS
+    assert key_map_for("FSDPFlux2Transformer2DModel") is None  # a name alone is taken as said

@@ -96,8 +96,11 @@ def key_map_for(transformer: Any) -> KeyMap | None:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    found = [cls for cls in families().values() if cls.transformer_class == name]
+    # A model's class and its bases: fully_shard makes an FSDP<class> subclass of the model's.
+    names = [transformer] if isinstance(transformer, str) else [
+        cls.__name__ for cls in type(transformer).__mro__
+    ]  # fmt: skip
+    found = [cls for name in names for cls in families().values() if cls.transformer_class == name]
     return found[0].original_keys if found else None
 
 
