@@ -357,7 +357,7 @@ class Flux2(Family):
         )[0]
         return unpack(prediction, h, w)
 
-    def sample(self, pipe, prompts, validation, generator):
+    def sample(self, pipe, prompts, validation, generator, conditions=None):
         return pipe(
             prompt=prompts,
             **pipeline_settings(validation),
