@@ -27,9 +27,14 @@ The original-format LoRA (``diffusion_model.`` + Black Forest Labs' names: fused
 double blocks, ``linear1`` of the single blocks fused by the model itself) loads in diffusers'
 ``Flux2Pipeline.load_lora_weights``, except a LoRA on ``norm_out.linear``: the original holds
 its rows as (shift, scale), which LiteGen writes and diffusers' single-file loader swaps, but
-diffusers 0.42.1's Flux.2 LoRA converter does not swap them. No sequence-parallel plan yet
-(joint attention over text and image in every block); ``Flux2KleinPipeline`` (Qwen3 encoder)
-is not a family yet.
+diffusers 0.42.1's Flux.2 LoRA converter does not swap them. That file carries no ``alpha``
+(diffusers' reader refuses one): each module's ``alpha / rank`` is multiplied into its
+``lora_B``, which ComfyUI, reading a missing alpha as scale 1, reads alike.
+
+Sequence parallelism: no plan of its own; LiteGen reads diffusers' ``_cp_plan`` (the image
+tokens and their position ids split, the text whole, the joint attention text first); the
+forward passes the ids with a batch axis of one, as the pipeline does and that plan expects.
+``Flux2KleinPipeline`` (a Qwen3 encoder) is not a family yet.
 
 Example::
 
@@ -351,8 +356,9 @@ class Flux2(Family):
             encoder_hidden_states=text,
             timestep=sigmas.to(dtype),  # Flux.2 takes timestep / 1000: the noise level itself
             guidance=guidance,
-            img_ids=latent_ids(h, w, noisy.device),
-            txt_ids=text_ids(text.shape[1], noisy.device),
+            # (1, S, 4), as the pipeline passes them and diffusers' _cp_plan splits them.
+            img_ids=latent_ids(h, w, noisy.device)[None],
+            txt_ids=text_ids(text.shape[1], noisy.device)[None],
             return_dict=False,
         )[0]
         return unpack(prediction, h, w)

@@ -14,7 +14,8 @@ only, as ``FluxKontextPipeline`` cuts its prediction. Validation samples go thro
 ``FluxKontextPipeline``, one call per prompt with its reference image
 (``trainer.validation.conditions.reference``), with the pipeline's resizing to its preferred
 resolutions off (``_auto_resize=False``: the reference keeps its size, rounded down to 16 pixels)
-and its output area that of ``trainer.validation``'s height and width.
+and its output area that of ``trainer.validation``'s height and width. Under sequence parallelism
+the target's and the reference's tokens are split together, as one image sequence.
 
 Example::
 
