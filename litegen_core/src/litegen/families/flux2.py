@@ -34,7 +34,8 @@ diffusers 0.42.1's Flux.2 LoRA converter does not swap them. That file carries n
 Sequence parallelism: no plan of its own; LiteGen reads diffusers' ``_cp_plan`` (the image
 tokens and their position ids split, the text whole, the joint attention text first); the
 forward passes the ids with a batch axis of one, as the pipeline does and that plan expects.
-``Flux2KleinPipeline`` (a Qwen3 encoder) is not a family yet.
+Flux.2 [klein] (``Flux2KleinPipeline``, a Qwen3 encoder) is its variant:
+:mod:`litegen.families.flux2_klein`.
 
 Example::
 
@@ -61,18 +62,16 @@ from litegen.families.key_map import KeyMap
 if TYPE_CHECKING:
     import torch
 
-# FLUX.2-dev's text embedding: these hidden states of its encoder, stacked per token.
-TEXT_LAYERS = (10, 20, 30)
-TINY_TEXT_LAYERS = (1, 2, 3)
+TINY_TEXT_LAYERS = (1, 2, 3)  # the tiny encoders' layers (they have three)
 SAMPLE_STEPS = 50  # the pipeline's default step count, for its resolution shift
 
 
-def text_layers(pipe: Any) -> tuple[int, ...]:
-    """The encoder layers the text embedding stacks: FLUX.2-dev's, or (1, 2, 3) for an encoder
-    too shallow to have them (the tiny pipeline)."""
+def text_layers(pipe: Any, published: tuple[int, ...]) -> tuple[int, ...]:
+    """The encoder layers the text embedding stacks: the ``published`` model's, or (1, 2, 3)
+    for an encoder too shallow to have them (a tiny pipeline)."""
     config = pipe.text_encoder.config
     depth = getattr(config, "text_config", config).num_hidden_layers
-    return TEXT_LAYERS if depth >= max(TEXT_LAYERS) else TINY_TEXT_LAYERS
+    return published if depth >= max(published) else TINY_TEXT_LAYERS
 
 
 def empirical_mu(seq_len: int, steps: int = SAMPLE_STEPS) -> float:
@@ -129,10 +128,15 @@ def normalise(latents: torch.Tensor, vae: Any) -> torch.Tensor:
 
 # The chat template of the tiny tokenizer: each message's text after its role, one a line (the
 # pipeline's messages hold a list of typed parts, as a multimodal processor takes them).
+# The chat template of the tiny tokenizers: each message's text after its role, one a line.
+# Flux2Pipeline's messages hold a list of typed parts (as a multimodal processor takes them),
+# Flux2KleinPipeline's a string.
 TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ message['role'] }}: {{ part['text'] }}\n{% endif %}"
-    "{% endfor %}{% endfor %}"
+    "{% for message in messages %}{% if message['content'] is string %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ message['role'] }}: {{ part['text'] }}\n"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
 )
 
 
@@ -144,6 +148,25 @@ def tiny_chat_tokenizer(max_length: int) -> Any:
     tokenizer = tiny_tokenizer(max_length, bos=True)
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
+
+
+def tiny_vae() -> Any:
+    """An 8x ``AutoencoderKLFlux2`` of 4 latent channels whose batch-norm statistics are not the
+    identity (so that tests see them applied)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.uniform_(-0.5, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
 
 
 def tiny_mistral3_encoder(vocab_size: int, *, layers: int) -> Any:
@@ -243,6 +266,7 @@ class Flux2(Family):
 
     name = "flux2"
     pipeline_class = "Flux2Pipeline"
+    text_encoder_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)  # FLUX.2-dev's Mistral
     transformer_class = "Flux2Transformer2DModel"
     original_keys = ORIGINAL_KEYS
     frozen = ("vae", "text_encoder")
@@ -292,7 +316,6 @@ class Flux2(Family):
         8x ``AutoencoderKLFlux2`` of 4 channels with random batch-norm statistics, the MMDiT."""
         import torch
         from diffusers import (
-            AutoencoderKLFlux2,
             FlowMatchEulerDiscreteScheduler,
             Flux2Pipeline,
             Flux2Transformer2DModel,
@@ -300,19 +323,9 @@ class Flux2(Family):
 
         torch.manual_seed(seed)
         tokenizer = tiny_chat_tokenizer(64)
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=8,
-            sample_size=32,
-        )
-        with torch.no_grad():  # statistics unlike the identity, so tests see them applied
-            vae.bn.running_mean.uniform_(-0.5, 0.5)
-            vae.bn.running_var.uniform_(0.5, 2.0)
         return Flux2Pipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
-            vae=vae,
+            vae=tiny_vae(),
             text_encoder=tiny_mistral3_encoder(len(tokenizer), layers=3),
             tokenizer=tokenizer,
             transformer=Flux2Transformer2DModel(**cls.tiny_config),
@@ -336,7 +349,7 @@ class Flux2(Family):
             captions,
             device=pipe.device,
             max_sequence_length=max_length(pipe.tokenizer),
-            text_encoder_out_layers=text_layers(pipe),
+            text_encoder_out_layers=text_layers(pipe, self.text_encoder_layers),
         )
         return {"prompt_embeds": prompt_embeds}
 
@@ -368,7 +381,7 @@ class Flux2(Family):
             prompt=prompts,
             **pipeline_settings(validation),
             max_sequence_length=max_length(pipe.tokenizer),
-            text_encoder_out_layers=text_layers(pipe),
+            text_encoder_out_layers=text_layers(pipe, self.text_encoder_layers),
             generator=generator,
             output_type="pt",
         ).images  # (N, C, H, W) in [0, 1]
