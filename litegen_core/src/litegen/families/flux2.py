@@ -21,7 +21,7 @@ The tiny pipeline differs from FLUX.2-dev in its tokenizer: FLUX.2-dev's is a
 ``PixtralProcessor``, which needs torchvision; the tiny one is a plain fast tokenizer with a
 chat template, which is all ``encode_prompt`` uses (``apply_chat_template`` over the system
 and user messages). Its text encoder is a three-layer ``Mistral3ForConditionalGeneration``;
-the family takes the hidden states of layers (1, 2, 3) from an encoder shallower than 30 layers.
+the family takes layers (1, 2, 3) of an encoder too shallow for the published ones.
 
 The original-format LoRA (``diffusion_model.`` + Black Forest Labs' names: fused ``qkv`` of the
 double blocks, ``linear1`` of the single blocks fused by the model itself) loads in diffusers'
@@ -35,7 +35,8 @@ Sequence parallelism: no plan of its own; LiteGen reads diffusers' ``_cp_plan`` 
 tokens and their position ids split, the text whole, the joint attention text first); the
 forward passes the ids with a batch axis of one, as the pipeline does and that plan expects.
 Flux.2 [klein] (``Flux2KleinPipeline``, a Qwen3 encoder) is its variant:
-:mod:`litegen.families.flux2_klein`.
+:mod:`litegen.families.flux2_klein`. Not trained here: the pipeline's reference-image editing
+(``image=``, reference tokens with time ids 10, 20, ...).
 
 Example::
 
