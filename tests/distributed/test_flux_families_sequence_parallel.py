@@ -1,8 +1,8 @@
 """Flux.2 and Flux.1 Kontext under sequence parallelism on 2 gloo CPU ranks: each family's
 training forward through the plan read from diffusers' ``_cp_plan`` (the text whole on every
 rank, the image tokens split, joint attention text first) gives one process's prediction and
-gradients, at token counts that leave padding; Kontext's reference tokens are split with the
-target's."""
+gradients, at token counts that leave padding, with a reference image whose tokens are split
+with the target's."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def one_step(name: str, sp: int) -> dict:
     batch = {
         "prompt_embeds": torch.randn(2, 5, text, generator=generator),
         "pooled": torch.randn(2, 32, generator=generator),  # Kontext's (Flux.2 takes none)
-        "reference_latents": torch.randn(2, 4, 4, 6, generator=generator),  # 6 more for Kontext
+        "reference_latents": torch.randn(2, 4, 4, 6, generator=generator),  # 6 more tokens
     }
     sigmas = torch.tensor([0.3, 0.8])
     upstream = torch.randn(2, 4, 6, 6, generator=generator)
@@ -69,8 +69,8 @@ def both(sp: int) -> dict:
 
 
 def test_sp2_prediction_and_gradients_equal_one_process():
-    # Each rank's share, padded: 9 target tokens -> 5; Kontext's 9 + 6 -> 8.
-    shares = {"flux2": [5], "flux_kontext": [8]}
+    # Each rank's share of 9 target and 6 reference tokens, padded to 16.
+    shares = {"flux2": [8], "flux_kontext": [8]}
     for rank in run_ranks(both, 2, 2):
         for name, result in rank.items():
             assert result["tokens"] == shares[name], name

@@ -213,3 +213,58 @@ def test_the_key_map_follows_a_transformer_that_fully_shard_subclassed():
     sharded = type("FSDPFlux2Transformer2DModel", (Flux2Transformer2DModel,), {})
     assert key_map_for(object.__new__(sharded)) is ORIGINAL_KEYS
     assert key_map_for("FSDPFlux2Transformer2DModel") is None  # a name alone is taken as said
+
+
+# -- the optional reference image ---------------------------------------------------------------
+def test_forward_with_a_reference_is_the_pipelines_call_cut_to_the_target(pipe):
+    from litegen.families.flux2 import REFERENCE
+
+    model = tiny_transformer()
+    generator = torch.Generator().manual_seed(3)
+    latents = torch.randn(2, 4, 4, 4, generator=generator)
+    reference = torch.randn(2, 4, 4, 8, generator=generator)
+    text = torch.randn(2, 6, 96, generator=generator)
+    sigmas = torch.tensor([0.25, 0.75])
+    batch = {"prompt_embeds": text, REFERENCE: reference}
+    with torch.no_grad():
+        ours = Flux2().predict(model, latents, sigmas, batch)
+        patchified = pipe._patchify_latents(latents)
+        ids = pipe._prepare_latent_ids(patchified)
+        reference_patches = pipe._patchify_latents(reference)
+        reference_ids = pipe._prepare_image_ids([reference_patches[:1]]).expand(2, -1, -1)
+        assert reference_ids[0, 0].tolist() == [10, 0, 0, 0]
+        tokens = model(
+            hidden_states=torch.cat(
+                [pipe._pack_latents(patchified), pipe._pack_latents(reference_patches)], dim=1
+            ),
+            encoder_hidden_states=text,
+            timestep=sigmas,
+            guidance=torch.ones(2),
+            img_ids=torch.cat([ids, reference_ids], dim=1),
+            txt_ids=pipe._prepare_text_ids(text),
+            return_dict=False,
+        )[0]
+        without = Flux2().predict(model, latents, sigmas, {"prompt_embeds": text})
+    target = tokens[:, : ids.shape[1]]
+    theirs = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(target, ids))
+    torch.testing.assert_close(ours, theirs)
+    assert (ours - without).abs().max() > 1e-4  # the reference is attended to
+
+
+def test_samples_with_a_reference_are_the_pipelines(pipe):
+    from PIL import Image
+
+    validation = SimpleNamespace(height=32, width=32, steps=2, guidance=4.0)
+    reference = Image.new("RGB", (64, 64), (200, 30, 30))  # the pipeline takes 64 px or more
+    ours = Flux2().sample(
+        pipe, ["make it blue"], validation, torch.Generator().manual_seed(0),
+        conditions={"reference": [reference]},
+    )  # fmt: skip
+    theirs = pipe(
+        image=[reference], prompt="make it blue", height=32, width=32, num_inference_steps=2,
+        guidance_scale=4.0, max_sequence_length=64, text_encoder_out_layers=(1, 2, 3),
+        generator=torch.Generator().manual_seed(0), output_type="pt",
+    ).images  # fmt: skip
+    plain = Flux2().sample(pipe, ["make it blue"], validation, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours, theirs)
+    assert not torch.allclose(ours, plain)

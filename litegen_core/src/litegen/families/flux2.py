@@ -35,8 +35,17 @@ Sequence parallelism: no plan of its own; LiteGen reads diffusers' ``_cp_plan`` 
 tokens and their position ids split, the text whole, the joint attention text first); the
 forward passes the ids with a batch axis of one, as the pipeline does and that plan expects.
 Flux.2 [klein] (``Flux2KleinPipeline``, a Qwen3 encoder) is its variant:
-:mod:`litegen.families.flux2_klein`. Not trained here: the pipeline's reference-image editing
-(``image=``, reference tokens with time ids 10, 20, ...).
+:mod:`litegen.families.flux2_klein`.
+
+Reference-image editing: the optional ``reference`` media condition (a ``reference`` column of
+the folder's metadata, or a companion file ``<stem>.reference.<ext>``; for every file or for
+none), one reference image per sample, read at the target's bucket. Its latents, normalised as
+the target's, are appended after the noisy target's tokens with position ids (10, row, column,
+0), the first reference of the pipeline's ``image=``; the prediction is cut back to the target's
+tokens. Samples then take one ``trainer.validation.conditions.reference`` image per prompt
+(at least 64 pixels a side, which the pipeline requires; it resizes only past 1024x1024
+pixels). Several references per sample are not
+trained.
 
 Example::
 
@@ -53,6 +62,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from litegen.families.base import (
     Family,
     LatentRules,
+    MediaCondition,
     max_length,
     model_config,
     model_dtype,
@@ -65,6 +75,7 @@ if TYPE_CHECKING:
 
 TINY_TEXT_LAYERS = (1, 2, 3)  # the tiny encoders' layers (they have three)
 SAMPLE_STEPS = 50  # the pipeline's default step count, for its resolution shift
+REFERENCE = "reference_latents"  # the batch key of an encoded reference image
 
 
 def text_layers(pipe: Any, published: tuple[int, ...]) -> tuple[int, ...]:
@@ -89,11 +100,15 @@ def empirical_mu(seq_len: int, steps: int = SAMPLE_STEPS) -> float:
     return mu_200 + per_step * (steps - 200)
 
 
-def latent_ids(height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(H/2 * W/2, 4) position ids of the patchified latent tokens: (0, row, column, 0)."""
+def latent_ids(
+    height: int, width: int, device: torch.device | str = "cpu", *, time: int = 0
+) -> torch.Tensor:
+    """(H/2 * W/2, 4) position ids of the patchified latent tokens: (time, row, column, 0); the
+    pipeline's reference images take times 10, 20, ..., the image it draws 0."""
     import torch
 
     ids = torch.zeros(height // 2, width // 2, 4, device=device)
+    ids[..., 0] = time
     ids[..., 1] = torch.arange(height // 2, device=device)[:, None]
     ids[..., 2] = torch.arange(width // 2, device=device)[None, :]
     return ids.view(-1, 4)
@@ -284,6 +299,12 @@ class Flux2(Family):
             "the text encoder's hidden states at layers 10, 20 and 30, stacked per token "
             "(chat template with the pipeline's system message; tokenizer length, at most 512)"
         ),
+        REFERENCE: "a reference image's latents, normalised as the target's (optional)",
+    }
+    media_conditions: ClassVar[dict[str, MediaCondition]] = {
+        "reference": MediaCondition(
+            "image", "an image the caption edits (one reference image)", optional=True
+        ),
     }
     reference_config: ClassVar[dict[str, Any]] = {  # black-forest-labs/FLUX.2-dev/transformer
         "patch_size": 1,
@@ -354,6 +375,11 @@ class Flux2(Family):
         )
         return {"prompt_embeds": prompt_embeds}
 
+    def encode_condition(self, pipe, name, pixels, clip, micro_batch_size):
+        if name != "reference":
+            return super().encode_condition(pipe, name, pixels, clip, micro_batch_size)
+        return {REFERENCE: self.encode_latents(pipe, pixels, micro_batch_size)}
+
     def predict(self, model, noisy, sigmas, batch):
         import torch
 
@@ -365,27 +391,56 @@ class Flux2(Family):
         guidance = None
         if model_config(model).guidance_embeds:  # guidance-distilled (FLUX.2-dev): 1.0 unless given
             guidance = batch.get("guidance", torch.ones(b, device=noisy.device))
+        tokens, ids = pack(noisy), latent_ids(h, w, noisy.device)
+        target = tokens.shape[1]
+        if REFERENCE in batch:  # after the target's tokens, as the pipeline appends its images
+            reference = batch[REFERENCE].to(noisy)
+            tokens = torch.cat([tokens, pack(reference)], dim=1)
+            ids = torch.cat([ids, latent_ids(*reference.shape[-2:], noisy.device, time=10)])
         prediction = model(
-            hidden_states=pack(noisy).to(dtype),
+            hidden_states=tokens.to(dtype),
             encoder_hidden_states=text,
             timestep=sigmas.to(dtype),  # Flux.2 takes timestep / 1000: the noise level itself
             guidance=guidance,
             # (1, S, 4), as the pipeline passes them and diffusers' _cp_plan splits them.
-            img_ids=latent_ids(h, w, noisy.device)[None],
+            img_ids=ids[None],
             txt_ids=text_ids(text.shape[1], noisy.device)[None],
             return_dict=False,
         )[0]
-        return unpack(prediction, h, w)
+        return unpack(prediction[:, :target], h, w)  # the target's tokens
 
     def sample(self, pipe, prompts, validation, generator, conditions=None):
-        return pipe(
-            prompt=prompts,
+        settings = {
             **pipeline_settings(validation),
-            max_sequence_length=max_length(pipe.tokenizer),
-            text_encoder_out_layers=text_layers(pipe, self.text_encoder_layers),
-            generator=generator,
-            output_type="pt",
-        ).images  # (N, C, H, W) in [0, 1]
+            "max_sequence_length": max_length(pipe.tokenizer),
+            "text_encoder_out_layers": text_layers(pipe, self.text_encoder_layers),
+            "generator": generator,
+            "output_type": "pt",
+        }
+        references = (conditions or {}).get("reference")
+        if not references:
+            return pipe(prompt=prompts, **settings).images  # (N, C, H, W) in [0, 1]
+        import torch
+
+        if len(references) != len(prompts):
+            raise ValueError(
+                f"field 'trainer.validation.conditions.reference': give one image per prompt "
+                f"({len(prompts)}), or none."
+            )
+        return torch.cat(
+            [
+                pipe(image=[reference], prompt=prompt, **settings).images
+                for prompt, reference in zip(prompts, references, strict=True)
+            ]
+        )
 
 
-__all__ = ["Flux2", "empirical_mu", "latent_ids", "normalise", "text_ids", "text_layers"]
+__all__ = [
+    "REFERENCE",
+    "Flux2",
+    "empirical_mu",
+    "latent_ids",
+    "normalise",
+    "text_ids",
+    "text_layers",
+]

@@ -8,7 +8,7 @@ encoder is a Qwen3 causal LM: the prompt goes through the tokenizer's chat templ
 message (thinking off), and the embedding stacks the hidden states of layers 9, 18 and 27 (the
 tiny pipeline's three-layer encoder: 1, 2, 3). Not guidance-distilled: the transformer takes no
 guidance; the base models sample with classifier-free guidance, the step-distilled ones
-(``is_distilled`` in the pipeline's config) without.
+(``is_distilled`` in the pipeline's config) without. Reference images as Flux.2.
 
 Example::
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from litegen.families.flux2 import Flux2
+from litegen.families.flux2 import REFERENCE, Flux2
 
 
 class Flux2Klein(Flux2):
@@ -35,6 +35,7 @@ class Flux2Klein(Flux2):
             "the Qwen3 encoder's hidden states at layers 9, 18 and 27, stacked per token (chat "
             "template, one user message; tokenizer length, at most 512)"
         ),
+        REFERENCE: Flux2.conditions[REFERENCE],
     }
     reference_config: ClassVar[dict[str, Any]] = {  # black-forest-labs/FLUX.2-klein-4B
         "patch_size": 1,
