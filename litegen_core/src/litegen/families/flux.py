@@ -5,7 +5,8 @@ scaling_factor``, then packed into 2x2 patches (the transformer's tokens). Condi
 prompt embeddings and CLIP's pooled embedding. The transformer takes the noise level itself as
 its timestep, 3-axis position ids for its rotary embedding (zeros for the text, (0, row,
 column) for the image), and, when guidance-distilled (FLUX.1-dev), a guidance scale: trained
-at 1.0. The scheduler shifts the noise levels by the token count. No sequence-parallel plan yet.
+at 1.0. The scheduler shifts the noise levels by the token count. Sequence parallelism: no plan
+of its own; LiteGen reads diffusers' ``_cp_plan`` (image tokens and ids split, text whole).
 
 Example::
 
