@@ -22,9 +22,9 @@ def test_longest_finds_the_last_fitting_multiple_of_the_step(limit):
 
 def test_throughput_is_per_gpu_after_the_warmup():
     records = [{"step": s, "tokens_per_s": 100.0 * s, "mfu": 0.1 * s} for s in range(1, 6)]
-    figures = throughput(records, warmup=2, sp=4)
+    figures = throughput(records, warmup=2, gpus=4)
     assert figures == {"tokens_per_s_per_gpu": pytest.approx(100.0), "mfu": pytest.approx(0.4)}
-    assert throughput(records[:2], warmup=2, sp=4)["tokens_per_s_per_gpu"] is None
+    assert throughput(records[:2], warmup=2, gpus=4)["tokens_per_s_per_gpu"] is None
 
 
 def test_the_throughput_lengths_are_81_frames_at_480p_and_720p():
