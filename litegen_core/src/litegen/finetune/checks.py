@@ -20,8 +20,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from litegen.finetune.experts import expert_problems
 from litegen.finetune.media import media_problems
-from litegen.finetune.pipeline import pipeline_family, settings
+from litegen.finetune.pipeline import pipeline_family, pipeline_folder, read_json, settings
 
 log = logging.getLogger("litegen")
 
@@ -46,6 +47,8 @@ def check_inputs(config: Any) -> None:
         family = pipeline_family(config)
     except ValueError as err:
         problems.append(str(err))
+    if family is not None:
+        problems += expert_problems(config, read_json(pipeline_folder(config) / "model_index.json"))
     if not settings(config).data.folder:
         problems.append(
             "finetune.data.folder is not set: give the folder of images and videos with "

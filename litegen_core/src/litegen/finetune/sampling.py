@@ -15,6 +15,7 @@ import torch
 
 from litegen.export import export_name, write_export
 from litegen.families import Family
+from litegen.finetune.expert_models import Experts, install_experts, write_expert_exports
 from litegen.finetune.pipeline import frozen_pipeline, pipeline_folder
 
 _sampling_pipes: dict[str, Any] = {}  # loaded at the first sample() and kept for the next ones
@@ -35,11 +36,15 @@ def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
         pipe.set_progress_bar_config(disable=True)
         _sampling_pipes[folder] = pipe
     pipe = _sampling_pipes[folder]
-    pipe.transformer = gen.unwrap(model)
+    trained = {"transformer"}
+    if isinstance(gen.unwrap(model), Experts):
+        trained = install_experts(pipe, gen.unwrap(model), folder)
+    else:
+        pipe.transformer = gen.unwrap(model)
     frozen = [
         module
         for name, module in pipe.components.items()
-        if isinstance(module, torch.nn.Module) and name != "transformer"
+        if isinstance(module, torch.nn.Module) and name not in trained
     ]
     for module in frozen:
         module.to(gen.device)
@@ -64,8 +69,9 @@ def finish(gen: Any, config: Any, model: Any) -> None:
     if gen.is_main_process:
         name = export_name(config.exp_name, use_ema)
         prefix = lora.prefix if lora is not None else "transformer"
-        write_export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
-                     lora_prefix=prefix)  # fmt: skip
+        export = write_expert_exports if isinstance(gen.unwrap(model), Experts) else write_export
+        export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
+               lora_prefix=prefix)  # fmt: skip
 
 
 __all__ = ["finish", "sample"]
