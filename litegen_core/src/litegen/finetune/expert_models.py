@@ -193,6 +193,22 @@ class Experts(nn.Module):
             self.add_module(component, module)
         self.boundary_timestep = float(boundary_timestep)
 
+    # What a pipeline reads of its transformer (the experts share their config but for weights).
+    @property
+    def config(self) -> Any:
+        return next(self.children()).config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def cache_context(self, name: str, **kwargs: Any) -> Any:
+        return next(self.children()).cache_context(name, **kwargs)
+
     def component_for(self, timestep: torch.Tensor) -> str:
         """The component serving ``timestep`` (one per sample, or per token: its largest)."""
         level = timestep.flatten(1).amax(1) if timestep.dim() > 1 else timestep.reshape(-1)
@@ -247,13 +263,15 @@ _frozen_experts: dict[tuple[str, str], nn.Module] = {}  # loaded once per folder
 
 
 def install_experts(pipe: Any, experts: Experts, folder: str | Path) -> set[str]:
-    """Put the trained experts into ``pipe`` and, for an expert this run does not train, the
-    pipeline's own (loaded frozen once, in the pipe's dtype); returns the trained components."""
+    """Put ``experts`` into ``pipe`` in place of each expert it trains (its forward routes by
+    timestep as the pipeline does, and a sharded model gathers its weights through it) and, for
+    an expert this run does not train, the pipeline's own (loaded frozen once, in the pipe's
+    dtype); returns the components ``experts`` took."""
     from litegen.pretrained import freeze, load_component
 
     dtype = getattr(pipe, "dtype", None)
     for component in EXPERTS.values():
-        module = experts._modules.get(component)
+        module = experts if component in experts._modules else None
         if module is None:
             key = (str(folder), component)
             if key not in _frozen_experts:

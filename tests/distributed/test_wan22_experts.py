@@ -1,0 +1,89 @@
+"""Wan 2.2 A14B's two experts through `litegen.finetune` on the CPU: 2 gloo ranks with LoRA and
+EMA train both experts in one run (each step its expert, the same on every rank), sample through
+the two-expert pipeline, and export one LoRA per expert that diffusers loads into that expert; a
+bad ``finetune.experts`` is refused before any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from litegen.finetune.expert_models import ExpertSchedule
+from litegen.objectives import FlowMatching
+from litegen_cli.app import app
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_finetune_recipes import RECIPES, SHORT, train_recipe
+from tests.media import make_media_folder
+from tests.pipelines import tiny_pipeline_folder
+
+pytest.importorskip("diffusers")
+pytest.importorskip("av")
+pytest.importorskip("peft")
+
+
+def expert_output(transformer: torch.nn.Module, timestep: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 4, 3, 4, 4, generator=generator)
+    text = torch.randn(1, 32, 32, generator=generator)
+    with torch.no_grad():
+        return transformer(latents, timestep=torch.tensor([timestep]), encoder_hidden_states=text,
+                           return_dict=False)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_both_experts_train_in_one_run_and_export_one_lora_each(
+    tmp_path: Path, strategy: str
+) -> None:
+    from diffusers import WanPipeline
+
+    media = make_media_folder(tmp_path / "media", images=2, videos=2, frames=5)
+    pipeline = tiny_pipeline_folder("wan22")
+    results = tmp_path / "results"
+    overrides = [*SHORT, f"finetune.pipeline={pipeline}", f"finetune.data.folder={media}",
+                 f"finetune.data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
+                 "finetune.data.max_frames=5", "trainer.validation.frames=5", "global_seed=0",
+                 f"optimization.parallel.strategy={strategy}"]  # fmt: skip
+    losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert (results / "samples" / "step_4" / "samples.mp4").is_file()
+
+    # Steps 1-4 of global seed 0 draw the high-noise expert, then the low-noise one.
+    objective = FlowMatching(density="logit_normal", shift=3.0)
+    drawn = {ExpertSchedule(0.875, ("high", "low"), 0).expert_at(s, objective) for s in range(1, 5)}
+    assert drawn == {"high", "low"}
+
+    lora = results / "lora"
+    base = WanPipeline.from_pretrained(pipeline)
+    pipe = WanPipeline.from_pretrained(pipeline)
+    pipe.load_lora_weights(str(lora / "finetune_video.ema.high_noise.lora.safetensors"))
+    pipe.load_lora_weights(str(lora / "finetune_video.ema.low_noise.lora.safetensors"),
+                           load_into_transformer_2=True)  # fmt: skip
+    for component, timestep in (("transformer", 950.0), ("transformer_2", 300.0)):
+        trained = expert_output(getattr(pipe, component), timestep)
+        assert not torch.allclose(trained, expert_output(getattr(base, component), timestep))
+    original = load_file(lora / "finetune_video.ema.low_noise.original.lora.safetensors")
+    assert all(key.startswith("diffusion_model.blocks.") for key in original)
+
+
+def test_a_bad_expert_name_is_refused_before_the_ranks_start(tmp_path: Path) -> None:
+    media = make_media_folder(tmp_path / "media", images=2, videos=0, frames=5)
+    results = tmp_path / "results"
+    base = [str(RECIPES / "finetune_video.yaml"), "launch.nproc_per_node=2",
+            f"finetune.data.folder={media}", f"results_dir={results}"]  # fmt: skip
+    cases = {
+        (
+            "wan22",
+            "finetune.experts=[middle]",
+        ): "finetune.experts.0': Input should be 'high' or 'low'",
+        ("wan", "finetune.experts=[low]"): "field 'finetune.experts': ['low'] names experts, but",
+    }
+    for (family, experts), message in cases.items():
+        args = ["launch", *base, f"finetune.pipeline={tiny_pipeline_folder(family)}", experts]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        assert message in result.output.replace("\n", ""), result.output
+    assert not results.exists()  # no run folder claimed: no rank started
