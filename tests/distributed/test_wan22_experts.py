@@ -87,3 +87,25 @@ def test_a_bad_expert_name_is_refused_before_the_ranks_start(tmp_path: Path) -> 
         assert result.exit_code == 2, result.output
         assert message in result.output.replace("\n", ""), result.output
     assert not results.exists()  # no run folder claimed: no rank started
+
+
+def test_ti2v_trains_image_to_video_from_companion_first_frames(tmp_path: Path) -> None:
+    """Wan 2.2 TI2V-5B's tiny pipeline, each clip with its first frame as `<stem>.image.png`:
+    2 ranks under ddp with LoRA and EMA, an image-to-video validation sample, LoRA exports."""
+    from tests.media import write_png
+
+    media = make_media_folder(tmp_path / "media", images=0, videos=2, frames=5)
+    for clip in sorted((media / "clips").glob("*.mp4")):
+        write_png(clip.with_suffix(".image.png"), 48, 32)
+    first = write_png(tmp_path / "first.png", 32, 32)
+    results = tmp_path / "results"
+    overrides = [*SHORT, f"finetune.pipeline={tiny_pipeline_folder('wan22_ti2v')}",
+                 f"finetune.data.folder={media}", f"finetune.data.cache_root={tmp_path / 'cache'}",
+                 f"results_dir={results}", "finetune.data.max_frames=5",
+                 "trainer.validation.frames=5", f"trainer.validation.conditions.image=[{first}]",
+                 "optimization.parallel.strategy=ddp"]  # fmt: skip
+    losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert (results / "samples" / "step_4" / "samples.mp4").is_file()
+    adapters = load_file(results / "lora" / "finetune_video.ema.lora.safetensors")
+    assert any(value.abs().sum() > 0 for key, value in adapters.items() if "lora_B" in key)

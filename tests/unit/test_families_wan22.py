@@ -183,30 +183,48 @@ def test_ti2v_keeps_the_first_frame_clean_at_timestep_zero() -> None:
     family, model = Wan22TI2V(), tiny(0)
     objective = FlowMatching(density="logit_normal", shift=3.0)
     x = inputs(0)
+    image = torch.randn(2, 4, 1, 4, 4, generator=torch.Generator().manual_seed(5))
     batch = {"latents": x["hidden_states"], "prompt_embeds": x["encoder_hidden_states"],
-             FIRST_FRAME: torch.tensor([True, False])}  # fmt: skip
+             FIRST_FRAME: image}  # fmt: skip
     torch.manual_seed(7)
     loss = family.loss(model, batch, objective)
 
-    # The same loss written out: noise, first frame of sample 0 clean at timestep 0, the
-    # other tokens at sigma * 1000, the loss over the noised frames only.
+    # The same loss written out: latent frame 0 is the image's, at timestep 0; the other
+    # tokens at sigma * 1000; the loss over the noised frames only.
     torch.manual_seed(7)
     x0 = batch["latents"]
     noise = torch.randn_like(x0)
     sigmas = objective.sample_sigmas(2)
     noisy = (1 - sigmas.view(2, 1, 1, 1, 1)) * x0 + sigmas.view(2, 1, 1, 1, 1) * noise
-    noisy[0, :, 0] = x0[0, :, 0]
+    noisy[:, :, :1] = image
     tokens = (4 // 2) * (4 // 2)
     timestep = (sigmas * 1000).view(2, 1).repeat(1, 2 * tokens)
-    timestep[0, :tokens] = 0
+    timestep[:, :tokens] = 0
     prediction = model(hidden_states=noisy, timestep=timestep,
                        encoder_hidden_states=batch["prompt_embeds"], return_dict=False)[0]  # fmt: skip
-    error = (prediction - (noise - x0)) ** 2
-    want = (error[0, :, 1:].mean() + error[1].mean()) / 2
+    want = ((prediction - (noise - x0)) ** 2)[:, :, 1:].mean()
     torch.testing.assert_close(loss, want)
 
     # Without the first frame, a per-token timestep of one value is the per-sample one.
+    text_only = {k: v for k, v in batch.items() if k != FIRST_FRAME}
     torch.manual_seed(7)
-    t2v = family.loss(model, {k: v for k, v in batch.items() if k != FIRST_FRAME}, objective)
+    t2v = family.loss(model, text_only, objective)
     torch.manual_seed(7)
-    assert torch.allclose(t2v, Wan().loss(model, batch, objective), atol=1e-6)
+    torch.testing.assert_close(t2v, Wan().loss(model, text_only, objective))
+
+
+def test_ti2v_encodes_its_image_and_samples_from_it() -> None:
+    from PIL import Image
+
+    family, pipe = Wan22TI2V(), Wan22TI2V.tiny_pipeline()
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        first = family.encode_condition(pipe, "image", pixels, pixels[:, :, None], 1)[FIRST_FRAME]
+        alone = family.encode_latents(pipe, pixels[:, :, None], 1)
+    torch.testing.assert_close(first, alone)
+    assert first.shape == (1, 4, 1, 2, 2)
+    validation = SimpleNamespace(height=32, width=32, steps=2, guidance=1.0, frames=5)
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    videos = family.sample(pipe, ["a red square"], validation, torch.Generator().manual_seed(0),
+                           conditions={"image": [image]})  # fmt: skip
+    assert videos.shape == (1, 3, 5, 32, 32)
