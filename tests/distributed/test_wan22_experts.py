@@ -109,3 +109,25 @@ def test_ti2v_trains_image_to_video_from_companion_first_frames(tmp_path: Path) 
     assert (results / "samples" / "step_4" / "samples.mp4").is_file()
     adapters = load_file(results / "lora" / "finetune_video.ema.lora.safetensors")
     assert any(value.abs().sum() > 0 for key, value in adapters.items() if "lora_B" in key)
+
+
+def test_a_two_expert_run_resumes_exactly(tmp_path: Path) -> None:
+    """Global seed 1 trains low, high, high, low: the resumed half draws the same experts and
+    the same noise, so its losses are those of the straight run."""
+    objective = FlowMatching(density="logit_normal", shift=3.0)
+    schedule = ExpertSchedule(0.875, ("high", "low"), seed=1)
+    assert [schedule.expert_at(s, objective) for s in range(1, 5)] == ["low", "high", "high", "low"]
+    media = make_media_folder(tmp_path / "media", images=2, videos=2, frames=5)
+    common = [*SHORT, f"finetune.pipeline={tiny_pipeline_folder('wan22')}",
+              f"finetune.data.folder={media}", f"finetune.data.cache_root={tmp_path / 'cache'}",
+              "finetune.data.max_frames=5", "global_seed=1", "trainer.sample_every=0",
+              "trainer.log_every=1", "optimization.parallel.strategy=ddp"]  # fmt: skip
+    straight = run_ranks(train_recipe, 2, "finetune_video.yaml",
+                         [*common, f"results_dir={tmp_path / 'a'}"])[0]  # fmt: skip
+    run = tmp_path / "b"
+    first = run_ranks(train_recipe, 2, "finetune_video.yaml",
+                      [*common, f"results_dir={run}", "max_steps=2", "trainer.checkpoint_every=2"])[0]  # fmt: skip
+    resumed = run_ranks(train_recipe, 2, "finetune_video.yaml",
+                        [*common, f"results_dir={run}", f"trainer.resume_run={run}"])[0]  # fmt: skip
+    assert len(straight) == 4
+    assert first + resumed == straight
