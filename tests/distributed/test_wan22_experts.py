@@ -131,3 +131,27 @@ def test_a_two_expert_run_resumes_exactly(tmp_path: Path) -> None:
                         [*common, f"results_dir={run}", f"trainer.resume_run={run}"])[0]  # fmt: skip
     assert len(straight) == 4
     assert first + resumed == straight
+
+
+def test_i2v_a14b_trains_both_experts_from_first_frames(tmp_path: Path) -> None:
+    """Wan 2.2 I2V-A14B's tiny pipeline: the clips' frame 0 as the image, 2 ranks under ddp
+    with LoRA and EMA, an image-to-video sample through both experts, one LoRA per expert."""
+    from tests.media import write_png
+
+    objective = FlowMatching(density="logit_normal", shift=3.0)
+    schedule = ExpertSchedule(0.9, ("high", "low"), seed=1)  # I2V-A14B's boundary
+    assert [schedule.expert_at(s, objective) for s in range(1, 5)] == ["low", "high", "low", "low"]
+    media = make_media_folder(tmp_path / "media", images=0, videos=2, frames=5)
+    first = write_png(tmp_path / "first.png", 32, 32)
+    results = tmp_path / "results"
+    overrides = [*SHORT, f"finetune.pipeline={tiny_pipeline_folder('wan22_i2v')}",
+                 f"finetune.data.folder={media}", f"finetune.data.cache_root={tmp_path / 'cache'}",
+                 f"results_dir={results}", "finetune.data.max_frames=5", "global_seed=1",
+                 "trainer.validation.frames=5", f"trainer.validation.conditions.image=[{first}]",
+                 "optimization.parallel.strategy=ddp"]  # fmt: skip
+    losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert (results / "samples" / "step_4" / "samples.mp4").is_file()
+    for expert in ("high_noise", "low_noise"):
+        adapters = load_file(results / "lora" / f"finetune_video.ema.{expert}.lora.safetensors")
+        assert any(value.abs().sum() > 0 for key, value in adapters.items() if "lora_B" in key)

@@ -228,3 +228,35 @@ def test_ti2v_encodes_its_image_and_samples_from_it() -> None:
     videos = family.sample(pipe, ["a red square"], validation, torch.Generator().manual_seed(0),
                            conditions={"image": [image]})  # fmt: skip
     assert videos.shape == (1, 3, 5, 32, 32)
+
+
+def test_i2v_a14b_is_found_by_model_index_and_conditions_as_its_pipeline() -> None:
+    from litegen.families.wan import WanI2V
+    from litegen.families.wan22 import Wan22I2V
+
+    pipe = Wan22I2V.tiny_pipeline()
+    index = {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.9}
+    assert family_for_pipeline("WanImageToVideoPipeline", index) is Wan22I2V
+    assert family_for_pipeline("WanImageToVideoPipeline") is WanI2V
+    assert pipe.image_encoder is None and pipe.config.boundary_ratio == 0.9
+    clip = torch.rand(1, 3, 5, 32, 48) * 2 - 1
+    family = Wan22I2V()
+    with torch.no_grad():
+        encoded = family.encode_condition(pipe, "image", clip[:, :, 0], clip, 1)
+        _, condition = pipe.prepare_latents(
+            clip[:, :, 0], 1, 4, 32, 48, 5, torch.float32, torch.device("cpu")
+        )
+    assert encoded.keys() == {"first_frame"}
+    torch.testing.assert_close(encoded["first_frame"], condition)
+
+    # predict: noise, mask and first frame on channels, no image embedding.
+    model = pipe.transformer
+    noisy = torch.randn(1, 4, 2, 4, 6)
+    text = torch.randn(1, 6, 32)
+    batch = {"prompt_embeds": text, **encoded}
+    with torch.no_grad():
+        got = family.predict(model, noisy, torch.tensor([0.95]), batch)
+        want = model(hidden_states=torch.cat([noisy, condition], dim=1),
+                     timestep=torch.tensor([950.0]), encoder_hidden_states=text,
+                     return_dict=False)[0]  # fmt: skip
+    torch.testing.assert_close(got, want)
