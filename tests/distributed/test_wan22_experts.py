@@ -46,7 +46,7 @@ def test_both_experts_train_in_one_run_and_export_one_lora_each(
     overrides = [*SHORT, f"finetune.pipeline={pipeline}", f"finetune.data.folder={media}",
                  f"finetune.data.cache_root={tmp_path / 'cache'}", f"results_dir={results}",
                  "finetune.data.max_frames=5", "trainer.validation.frames=5", "global_seed=0",
-                 f"optimization.parallel.strategy={strategy}"]  # fmt: skip
+                 f"optimization.parallel.strategy={strategy}", "trainer.checkpoint_every=4"]  # fmt: skip
     losses = run_ranks(train_recipe, 2, "finetune_video.yaml", overrides)[0]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert (results / "samples" / "step_4" / "samples.mp4").is_file()
@@ -67,6 +67,16 @@ def test_both_experts_train_in_one_run_and_export_one_lora_each(
         assert not torch.allclose(trained, expert_output(getattr(base, component), timestep))
     original = load_file(lora / "finetune_video.ema.low_noise.original.lora.safetensors")
     assert all(key.startswith("diffusion_model.blocks.") for key in original)
+
+    # `litegen export` from the last checkpoint writes the same files per expert.
+    exported = CliRunner().invoke(app, ["export", "--from", str(results)])
+    assert exported.exit_code == 0, exported.output
+    for expert in ("high_noise", "low_noise"):
+        for kind in ("lora", "original.lora"):
+            file = f"finetune_video.ema.{expert}.{kind}.safetensors"
+            want, got = load_file(lora / file), load_file(results / "exports" / "step_4" / file)
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_bad_expert_name_is_refused_before_the_ranks_start(tmp_path: Path) -> None:

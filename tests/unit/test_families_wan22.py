@@ -136,6 +136,7 @@ def test_a_bad_expert_name_or_experts_of_a_one_transformer_pipeline_are_refused(
 
 def test_each_expert_export_loads_into_its_own_transformer(tmp_path: Path) -> None:
     from litegen.config.sections import LoRAConfig
+    from litegen.export import write_export
     from litegen.lora import apply_lora
 
     folder = tiny_pipeline_folder("wan22")
@@ -151,7 +152,7 @@ def test_each_expert_export_loads_into_its_own_transformer(tmp_path: Path) -> No
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     experts = Experts(trained, 875.0)
     write_expert_exports(experts, experts.state_dict(), folder, tmp_path, name="run",
-                         lora_prefix="transformer")  # fmt: skip
+                         lora_prefix="transformer", write_one=write_export)  # fmt: skip
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [f"run.{e}_noise.{kind}" for e in ("high", "low")
                      for kind in ("lora.safetensors", "original.lora.safetensors", "peft")]  # fmt: skip

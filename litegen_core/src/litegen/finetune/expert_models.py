@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,32 +230,45 @@ class Experts(nn.Module):
         return self._modules[component](hidden_states=hidden_states, timestep=timestep, **kwargs)
 
 
+def experts_of(
+    folder: str | Path, trained: tuple[str, ...], lora: Any, boundary_timestep: float
+) -> Experts:
+    """The experts ``trained`` (``high``, ``low``) of the pipeline folder ``folder`` as one
+    :class:`Experts`, each with LoRA adapters of its own when ``lora`` (an
+    ``optimization.lora`` section) is given, so each saves like a lone transformer."""
+    from litegen.lora import apply_lora
+    from litegen.pretrained import load_component
+
+    modules = {EXPERTS[expert]: load_component(folder, EXPERTS[expert]) for expert in trained}
+    for module in modules.values() if lora is not None else ():
+        apply_lora(module, lora)
+    return Experts(modules, boundary_timestep)
+
+
 def load_experts(config: Any, schedule: ExpertSchedule) -> Experts:
-    """The trained experts of ``finetune.pipeline``, each with LoRA adapters of its own when
-    ``optimization.lora`` is set (each then saves like a lone transformer); on the meta device
+    """The trained experts of ``finetune.pipeline`` (:func:`experts_of`); on the meta device
     for ``runtime.device: meta``."""
     import importlib
 
     from litegen.finetune.pipeline import pipeline_folder, read_json
     from litegen.lora import apply_lora
-    from litegen.pretrained import check_pipeline_folder, load_component
+    from litegen.pretrained import check_pipeline_folder
 
     folder = pipeline_folder(config)
+    scheduler = read_json(folder / "scheduler" / "scheduler_config.json")
+    boundary = schedule.boundary * int(scheduler.get("num_train_timesteps", 1000))
+    lora = config.optimization.lora
+    if config.runtime.device != "meta":
+        return experts_of(folder, schedule.trained, lora, boundary)
     modules = {}
     for expert in schedule.trained:
-        component = EXPERTS[expert]
-        if config.runtime.device == "meta":
-            library, class_name = check_pipeline_folder(folder)[component]
-            cls = getattr(importlib.import_module(library), class_name)
-            with torch.device("meta"):
-                modules[component] = cls.from_config(cls.load_config(folder / component))
-        else:
-            modules[component] = load_component(folder, component)
-        if config.optimization.lora is not None:
-            apply_lora(modules[component], config.optimization.lora)
-    scheduler = read_json(folder / "scheduler" / "scheduler_config.json")
-    steps = int(scheduler.get("num_train_timesteps", 1000))
-    return Experts(modules, schedule.boundary * steps)
+        library, class_name = check_pipeline_folder(folder)[EXPERTS[expert]]
+        cls = getattr(importlib.import_module(library), class_name)
+        with torch.device("meta"):
+            modules[EXPERTS[expert]] = cls.from_config(cls.load_config(folder / EXPERTS[expert]))
+        if lora is not None:
+            apply_lora(modules[EXPERTS[expert]], lora)
+    return Experts(modules, boundary)
 
 
 # -- sampling and exports ---------------------------------------------------------------------
@@ -295,8 +308,10 @@ def write_expert_exports(
     *,
     name: str,
     lora_prefix: str,
+    write_one: Callable[..., Path],
 ) -> Path:
-    """The export of each trained expert. LoRA: ``out/<name>.high_noise.lora.safetensors`` (and
+    """The export of each trained expert (``write_one``: :func:`litegen.export.write_export`,
+    which this module leaves to its callers to import). LoRA: ``out/<name>.high_noise.lora.safetensors`` (and
     ``.peft``, ``.original.lora.safetensors``) for ``transformer``, ``<name>.low_noise.*`` for
     ``transformer_2``. Full fine-tuning: ``out`` becomes the pipeline folder with the trained
     experts written and the other components linked. Call on one process.
@@ -304,18 +319,17 @@ def write_expert_exports(
     Example::
 
         write_expert_exports(experts, state, "tiny_wan22", "results/lora", name="run",
-                             lora_prefix="transformer")
+                             lora_prefix="transformer", write_one=write_export)
     """
     from litegen.checkpoint.files import replace_dir
     from litegen.checkpoint.interop import write_diffusers_folder
-    from litegen.export import write_export
     from litegen.lora import has_adapters
 
     out = Path(out)
     if has_adapters(experts):
         for component, module in experts.named_children():
-            write_export(module, expert_state(state, component), pipeline, out,
-                         name=f"{name}.{expert_label(component)}", lora_prefix=lora_prefix)  # fmt: skip
+            write_one(module, expert_state(state, component), pipeline, out,
+                      name=f"{name}.{expert_label(component)}", lora_prefix=lora_prefix)  # fmt: skip
         return out
     import os
     import shutil
@@ -340,6 +354,7 @@ __all__ = [
     "RangeFlowMatching",
     "expert_schedule",
     "expert_state",
+    "experts_of",
     "install_experts",
     "load_experts",
     "range_mass",

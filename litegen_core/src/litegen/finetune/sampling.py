@@ -97,9 +97,12 @@ def finish(gen: Any, config: Any, model: Any) -> None:
     if gen.is_main_process:
         name = export_name(config.exp_name, use_ema)
         prefix = lora.prefix if lora is not None else "transformer"
-        export = write_expert_exports if isinstance(gen.unwrap(model), Experts) else write_export
-        export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
-               lora_prefix=prefix)  # fmt: skip
+        if isinstance(gen.unwrap(model), Experts):
+            write_expert_exports(gen.unwrap(model), state, pipeline_folder(config), out,
+                                 name=name, lora_prefix=prefix, write_one=write_export)  # fmt: skip
+            return
+        write_export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
+                     lora_prefix=prefix)  # fmt: skip
 
 
 __all__ = ["finish", "sample"]
