@@ -158,3 +158,14 @@ def test_the_tiny_pipeline_holds_the_family_classes(name):
     assert type(pipe.transformer).__name__ == family.transformer_class
     components = {k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     assert components == {*family.trained, *family.frozen}
+
+
+def test_the_key_map_of_a_sharded_transformer_is_its_class_s():
+    """fully_shard turns a model's class into a subclass FSDP<Class>: its export still finds
+    the original layout (the end-of-run export of an fsdp2 LoRA run writes that file)."""
+    from litegen.families import key_map_for, original_format_classes
+
+    wan = tiny_transformer(Wan)
+    wan.__class__ = type("FSDPWanTransformer3DModel", (type(wan),), {})
+    assert key_map_for(wan) is Wan.original_keys
+    assert original_format_classes() == sorted(set(original_format_classes()))

@@ -136,6 +136,12 @@ def test_an_optional_condition_is_given_for_every_file_or_none(tmp_path: Path) -
     assert optional_conditions_problem(str(tmp_path), files, OptionalControl()) is None
     video = MediaDataset(tmp_path, buckets=VIDEO, conditions={"control_video": "video"})
     assert video.conditions(1)["control_video"].shape == (3, 5, 32, 32)
+    write_mp4(tmp_path / "b.control_video.mp4", 32, 32, frames=3)
+    _, bad = scan_media(tmp_path, conditions={"control_video": "video"})
+    assert [str(b) for b in bad] == [
+        f"{tmp_path / 'b.mp4'}: its control_video condition {tmp_path / 'b.control_video.mp4'} "
+        "has 3 frames, fewer than its 5: give a video at least as long as the clip"
+    ]
 
 
 def test_cache_keys_cover_the_condition_files_and_keep_the_old_keys(companions: Path) -> None:

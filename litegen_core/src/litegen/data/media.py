@@ -38,7 +38,8 @@ class MediaDataset(Dataset):
 
     ``keys[i]`` is sample ``i``'s bucket; ``bad`` lists the files left out and why
     (``on_bad="error"`` refuses the folder instead). See :func:`~litegen.data.media_files.scan_media`
-    for where captions come from.
+    for where captions come from, and the condition files taken with ``conditions`` (name ->
+    ``"image"`` or ``"video"``) and ``required``; :meth:`conditions` reads a sample's.
 
     Example::
 

@@ -110,12 +110,10 @@ def scan_media(
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
     root = Path(root)
     paths, media = _listing(root, recursive)
-    companions: dict[Path, dict[str, Path]] = {}
-    if conditions is not None:  # condition files are not samples
-        media, companions, orphans = companion_files(media)
-        bad_orphans = [
-            BadFile(p, "condition file without a media file of the same name") for p in orphans
-        ]
+    # Companion condition files are not samples (when conditions are looked at).
+    media, companions, orphans = (
+        companion_files(media) if conditions is not None else (media, {}, [])
+    )
     # Names that are not UTF-8 cannot go into the cache keys or most logs: named, left out.
     bad = [
         BadFile(path, "its name is not valid UTF-8: rename it (e.g. convmv -f latin1 -t utf8)")
@@ -124,12 +122,12 @@ def scan_media(
     ]
     captions, bad_captions, columns = _captions(root, paths, media, max_caption_bytes)
     bad += bad_captions
-    found: dict[Path, dict[str, Path]] = {}
-    if conditions is not None:
+    found: dict[Path, dict[str, Path]] = {}  # media path -> its condition files by name
+    if conditions is not None:  # a metadata column wins over a companion file
         found = {
             p: {**companions.get(p, {}), **columns.get(p, {})} for p in {*companions, *columns}
         }
-        bad += bad_orphans
+        bad += [BadFile(p, "condition file without a media file of the same name") for p in orphans]
         problem = untaken_problem(root, found, conditions)
         if problem:
             raise ValueError(problem)
@@ -340,12 +338,22 @@ def _with_conditions(
         if path.suffix.lower() not in suffixes:
             what = "an image" if kind == "image" else "a video"
             return BadFile(file.path, f"its {name} condition {path} is not {what} file")
+        frames = None  # a video's length
         try:
-            _image_size(path) if kind == "image" else _video_size(path)
+            if kind == "image":
+                _image_size(path)
+            else:
+                frames = _video_size(path)[2]
         except Exception as error:  # the condition's fault, named with its media file
             return BadFile(
                 file.path,
                 f"its {name} condition {path} is unreadable ({type(error).__name__}: {error})",
+            )
+        if frames is not None and frames < file.frames:  # it is read at the clip's frames
+            return BadFile(
+                file.path,
+                f"its {name} condition {path} has {frames} frames, fewer than its "
+                f"{file.frames}: give a video at least as long as the clip",
             )
     return dataclasses.replace(file, conditions=tuple(sorted(given.items())))
 

@@ -106,14 +106,22 @@ def key_map_for(transformer: Any) -> KeyMap | None:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    found = [cls for cls in families().values() if cls.transformer_class == name]
-    return found[0].original_keys if found else None
+    # fully_shard makes a subclass FSDP<Class>: the model's own class is further up its MRO.
+    names = (
+        [transformer]
+        if isinstance(transformer, str)
+        else [cls.__name__ for cls in type(transformer).__mro__]
+    )
+    for name in names:
+        found = [cls for cls in families().values() if cls.transformer_class == name]
+        if found:
+            return found[0].original_keys
+    return None
 
 
 def original_format_classes() -> list[str]:
     """The transformer classes whose original checkpoint layout LiteGen writes."""
-    return sorted(cls.transformer_class for cls in families().values() if cls.original_keys)
+    return sorted({cls.transformer_class for cls in families().values() if cls.original_keys})
 
 
 __all__ = [
