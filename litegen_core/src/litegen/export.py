@@ -23,6 +23,7 @@ Every file is written under a temporary name and renamed into place.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ from litegen.checkpoint.interop import write_diffusers_folder
 from litegen.checkpoint.step_dirs import read_config_text, read_metadata, resolve_checkpoint
 from litegen.families import KeyMap, key_map_for, original_format_classes
 from litegen.families.original_format import lora_to_original, output_rows, weights_to_original
+from litegen.finetune.experts import EXPERTS, pipeline_boundary
 from litegen.lora import adapter_alpha_state, adapter_file_state, has_adapters, save_peft_folder
 from litegen.module_paths import clean_name
 from litegen.pretrained import check_pipeline_folder, load_component
@@ -266,17 +268,29 @@ def export_checkpoint(
         raise ValueError(
             f"run checkpoint {step_dir} holds no EMA (ema.enable was off); drop --ema."
         )
-    transformer = load_component(folder, TRAINED)
     lora = (config.get("optimization") or {}).get("lora")
     if lora:
         from litegen.config.sections import LoRAConfig
-        from litegen.lora import apply_lora
 
         lora = LoRAConfig.model_validate(lora)
-        apply_lora(transformer, lora)
-    state = checkpoint_weights(model_dir, transformer, ema=use_ema)
     name = export_name(config.get("exp_name", "model"), use_ema)
     prefix = lora.prefix if lora else TRAINED
+    index = json.loads((Path(folder) / "model_index.json").read_text(encoding="utf-8"))
+    if pipeline_boundary(index) is not None:  # Wan 2.2 A14B: one export per trained expert
+        from litegen.finetune.expert_models import experts_of, write_expert_exports
+
+        named = (config.get("finetune") or {}).get("experts") or list(EXPERTS)
+        trained = tuple(expert for expert in EXPERTS if expert in named)
+        experts = experts_of(folder, trained, lora or None, pipeline_boundary(index) * 1000)
+        state = checkpoint_weights(model_dir, experts, ema=use_ema)
+        return write_expert_exports(experts, state, folder, out, name=name, lora_prefix=prefix,
+                                    write_one=write_export)  # fmt: skip
+    transformer = load_component(folder, TRAINED)
+    if lora:
+        from litegen.lora import apply_lora
+
+        apply_lora(transformer, lora)
+    state = checkpoint_weights(model_dir, transformer, ema=use_ema)
     return write_export(
         transformer, state, folder, out, name=name, lora_prefix=prefix, original=original
     )

@@ -86,6 +86,12 @@ class FinetuneConfig(Section):
     data: FinetuneDataConfig = Field(default_factory=FinetuneDataConfig)
     objective: FinetuneObjectiveConfig = Field(default_factory=FinetuneObjectiveConfig)
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    experts: list[Literal["high", "low"]] | None = Field(
+        None,
+        min_length=1,
+        description="two-expert pipelines (Wan 2.2 A14B): the experts to train, high "
+        "(transformer) and/or low (transformer_2); None: both",
+    )
 
 
 # Old top-level spelling -> the fields of this section they now are.

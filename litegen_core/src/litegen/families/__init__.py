@@ -55,16 +55,25 @@ def family_named(name: str) -> type[Family]:
     return families()[name]
 
 
-def family_for_pipeline(pipeline_class: str) -> type[Family]:
+def family_for_pipeline(
+    pipeline_class: str, model_index: dict[str, Any] | None = None
+) -> type[Family]:
     """The family of a pipeline class (``model_index.json``'s ``_class_name``); ValueError
-    naming the families that exist when none trains it.
+    naming the families that exist when none trains it. Where families share a class (Wan 2.1,
+    Wan 2.2's two experts), ``model_index`` (the whole ``model_index.json``) picks the one
+    whose :attr:`~Family.model_index_keys` it sets, the most specific first.
 
     Example:
         >>> family_for_pipeline("WanPipeline").transformer_class
         'WanTransformer3DModel'
+        >>> family_for_pipeline("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"],
+        ...                                     "boundary_ratio": 0.875}).name
+        'wan22'
     """
-    for cls in families().values():
-        if cls.pipeline_class == pipeline_class:
+    found = [cls for cls in families().values() if cls.pipeline_class == pipeline_class]
+    found.sort(key=lambda cls: -len(cls.model_index_keys))
+    for cls in found:
+        if cls.matches(model_index or {}):
             return cls
     raise ValueError(
         f"no model family trains a {pipeline_class}; the families are {_choices()} "

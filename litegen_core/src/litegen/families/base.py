@@ -122,11 +122,21 @@ class Family:
     reference_config: ClassVar[dict[str, Any]] = {}  # the published transformer's config
     tiny_config: ClassVar[dict[str, Any]] = {}  # the tiny transformer's config, for tests
     original_keys: ClassVar[KeyMap | None] = None  # the original checkpoint's module names
+    # model_index.json entries that must be set (not null or false) for this family: what tells
+    # it apart from another family of the same pipeline class (Wan 2.2's transformer_2).
+    model_index_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, scheduler_config: dict[str, Any] | None = None) -> None:
         self.scheduler_config = dict(scheduler_config or {})
 
     # -- what the family is made of ---------------------------------------------------------
+    @classmethod
+    def matches(cls, model_index: dict[str, Any]) -> bool:
+        """True when ``model_index`` (a ``model_index.json``) sets every :attr:`model_index_keys`."""
+        return all(
+            model_index.get(key) not in (None, False, [None, None]) for key in cls.model_index_keys
+        )
+
     @classmethod
     def tiny_pipeline(cls, seed: int = 0) -> Any:
         """The tiny pipeline (random weights, built offline) that trains on a CPU in seconds."""

@@ -13,7 +13,9 @@ what to train on; the pipeline class of ``finetune.pipeline`` picks the family
 - :mod:`~litegen.finetune.cache`: the latent cache (keys, encoding, reading);
 - :mod:`~litegen.finetune.training`: ``build``, ``train_step``, the LR schedule, caption dropout;
 - :mod:`~litegen.finetune.sampling`: validation samples and the export at the end;
-- :mod:`~litegen.finetune.checks`: ``check_inputs``, before any rank starts.
+- :mod:`~litegen.finetune.checks`: ``check_inputs``, before any rank starts;
+- :mod:`~litegen.finetune.experts`, :mod:`~litegen.finetune.expert_models`: two-expert
+  pipelines (Wan 2.2 A14B, ``finetune.experts``).
 
 Training reads the cache alone: the VAE and text encoders are loaded again only to sample. The
 loss is flow matching with the pipeline scheduler's shift. At the end, ``finish`` writes
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from litegen.families import Family
+    from litegen.finetune.expert_models import ExpertSchedule
     from litegen.finetune.training import CaptionDropout
     from litegen.objectives import FlowMatching
 
@@ -50,11 +53,13 @@ def train_step(
     family: Family,
     objective: FlowMatching,
     caption_dropout: CaptionDropout,
+    experts: ExpertSchedule | None = None,
+    step: int = 1,
 ) -> torch.Tensor:
     """:func:`litegen.finetune.training.train_step`."""
     from litegen.finetune.training import train_step
 
-    return train_step(batch, model, family, objective, caption_dropout)
+    return train_step(batch, model, family, objective, caption_dropout, experts, step)
 
 
 def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:

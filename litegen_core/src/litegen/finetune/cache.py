@@ -48,11 +48,12 @@ Samples = list[Sample]
 
 
 def _files_digest(folder: Path) -> str:
-    """Names, sizes and modification times of the pipeline's files, the transformer aside."""
+    """Names, sizes and modification times of the pipeline's files, the transformers (Wan 2.2's
+    two experts) aside."""
     digest = hashlib.sha256()
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
-        if path.is_file() and relative.parts[0] != "transformer":
+        if path.is_file() and relative.parts[0] not in ("transformer", "transformer_2"):
             stat = path.stat()
             digest.update(f"{relative.as_posix()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from litegen.families import Family
+from litegen.finetune.experts import expert_problems
 from litegen.finetune.media import media_problems
-from litegen.finetune.pipeline import pipeline_family, settings
+from litegen.finetune.pipeline import pipeline_family, pipeline_folder, read_json, settings
 
 log = logging.getLogger("litegen")
 
@@ -87,6 +88,7 @@ def check_inputs(config: Any) -> None:
         problems.append(str(err))
     if family is not None:
         problems += validation_problems(config, family)
+        problems += expert_problems(config, read_json(pipeline_folder(config) / "model_index.json"))
     if not settings(config).data.folder:
         problems.append(
             "finetune.data.folder is not set: give the folder of images and videos with "

@@ -57,9 +57,10 @@ def pipeline_family(config: Any) -> Family:
     """The family of the pipeline folder, with its scheduler config; ValueError naming the
     families that exist when none trains its pipeline class."""
     folder = pipeline_folder(config)
-    pipeline_class = read_json(folder / "model_index.json").get("_class_name", "?")
+    model_index = read_json(folder / "model_index.json")
+    pipeline_class = model_index.get("_class_name", "?")
     try:
-        family = family_for_pipeline(pipeline_class)
+        family = family_for_pipeline(pipeline_class, model_index)
     except ValueError as err:
         raise ValueError(f"finetune.pipeline {folder} is a {pipeline_class}: {err}") from None
     return family(read_json(folder / "scheduler" / "scheduler_config.json"))
@@ -107,8 +108,13 @@ def _no_loading_bars() -> Any:
 def frozen_pipeline(config: Any, **kwargs: Any) -> Any:
     """The pipeline without its transformer, every component frozen (to encode and sample);
     ``kwargs`` go to ``from_pretrained`` (``torch_dtype``)."""
+    folder = pipeline_folder(config)
+    # Every transformer stays out (Wan 2.2's second expert too): training brings its own.
+    transformers = {
+        name: None for name in check_pipeline_folder(folder) if name.startswith("transformer")
+    }
     with _no_loading_bars():
-        return load_pipeline(pipeline_folder(config), trained=(), transformer=None, **kwargs)
+        return load_pipeline(folder, trained=(), **{"transformer": None, **transformers, **kwargs})
 
 
 __all__ = [

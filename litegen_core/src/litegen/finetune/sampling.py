@@ -16,6 +16,7 @@ import torch
 from litegen.checkpoint.layout import END_OF_RUN_DIRS
 from litegen.export import export_name, write_export
 from litegen.families import Family
+from litegen.finetune.expert_models import Experts, install_experts, write_expert_exports
 from litegen.finetune.pipeline import frozen_pipeline, pipeline_folder
 
 _, PIPELINE_DIR, LORA_DIR = END_OF_RUN_DIRS  # the exports of full fine-tuning and of LoRA
@@ -59,11 +60,15 @@ def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
         pipe.set_progress_bar_config(disable=True)
         _sampling_pipes[folder] = pipe
     pipe = _sampling_pipes[folder]
-    pipe.transformer = gen.unwrap(model)
+    trained = {"transformer"}
+    if isinstance(gen.unwrap(model), Experts):
+        trained = install_experts(pipe, gen.unwrap(model), folder)
+    else:
+        pipe.transformer = gen.unwrap(model)
     frozen = [
         module
         for name, module in pipe.components.items()
-        if isinstance(module, torch.nn.Module) and name != "transformer"
+        if isinstance(module, torch.nn.Module) and name not in trained
     ]
     for module in frozen:
         module.to(gen.device)
@@ -92,6 +97,10 @@ def finish(gen: Any, config: Any, model: Any) -> None:
     if gen.is_main_process:
         name = export_name(config.exp_name, use_ema)
         prefix = lora.prefix if lora is not None else "transformer"
+        if isinstance(gen.unwrap(model), Experts):
+            write_expert_exports(gen.unwrap(model), state, pipeline_folder(config), out,
+                                 name=name, lora_prefix=prefix, write_one=write_export)  # fmt: skip
+            return
         write_export(gen.unwrap(model), state, pipeline_folder(config), out, name=name,
                      lora_prefix=prefix)  # fmt: skip
 

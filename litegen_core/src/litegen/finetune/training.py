@@ -18,7 +18,15 @@ import torch
 
 from litegen.families import Family
 from litegen.finetune.cache import cached_data
-from litegen.finetune.pipeline import load_transformer, make_objective, pipeline_family, settings
+from litegen.finetune.expert_models import ExpertSchedule, expert_schedule, load_experts
+from litegen.finetune.pipeline import (
+    load_transformer,
+    make_objective,
+    pipeline_family,
+    pipeline_folder,
+    read_json,
+    settings,
+)
 from litegen.objectives import FlowMatching
 
 
@@ -94,7 +102,8 @@ def build(config: Any) -> dict[str, Any]:
             "prompts to sample, or set trainer.sample_every=0."
         )
     data, empty_prompt = cached_data(config, family)
-    model = load_transformer(config)
+    experts = expert_schedule(config, read_json(pipeline_folder(config) / "model_index.json"))
+    model = load_experts(config, experts) if experts else load_transformer(config)
     # One fused kernel per step on CUDA, as a hand-written loop would use; torch's own
     # choice (foreach) elsewhere. A backend in optimization.optimizer still overrides it.
     on_cuda = config.runtime.device not in ("cpu", "meta") and torch.cuda.is_available()
@@ -110,6 +119,7 @@ def build(config: Any) -> dict[str, Any]:
         "family": family,
         "objective": make_objective(config),
         "caption_dropout": CaptionDropout(float(dropout), empty_prompt),
+        "experts": experts,  # two-expert pipelines: which expert trains at each step
     }
 
 
@@ -119,8 +129,13 @@ def train_step(
     family: Family,
     objective: FlowMatching,
     caption_dropout: CaptionDropout,
+    experts: ExpertSchedule | None = None,
+    step: int = 1,
 ) -> torch.Tensor:
-    """The flow-matching loss of one micro-batch of cached latents."""
+    """The flow-matching loss of one micro-batch of cached latents; with two experts, at the
+    noise levels of optimizer step ``step``'s expert."""
+    if experts is not None:
+        objective = experts.objective(step, objective)
     return family.loss(model, caption_dropout(batch), objective)
 
 

@@ -23,8 +23,14 @@ class DDPStrategy(Strategy):
         if self.plan.world_size == 1:
             return model
         device_ids = [self.plan.device] if self.plan.device.type == "cuda" else None
-        # Bucket views save one gradient copy; DDP broadcasts rank 0's weights at wrap time.
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        # Bucket views save one gradient copy; DDP broadcasts rank 0's weights at wrap time. A
+        # model whose steps use a part of it (two experts, one per step) says so.
+        return DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=getattr(model, "uses_part_per_step", False),
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
