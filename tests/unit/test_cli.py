@@ -14,8 +14,8 @@ import yaml
 from typer.testing import CliRunner
 
 from litegen.config import MainConfig
-from litegen_cli import launcher
-from litegen_cli.app import app
+from litegen_cli import commands, launcher
+from litegen_cli.app import COMMANDS, app
 from litegen_cli.launcher import (
     LaunchFailed,
     RankFailure,
@@ -28,6 +28,7 @@ from litegen_cli.lifeline import LAUNCHER_PID_ENV
 from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, RecipeError, apply_overrides, load_recipe
 from litegen_cli.slurm import apply_slurm_env, first_host
+from tests.unit.test_cli_manners import registered_commands
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENTRY = FIXTURES / "tiny_entry.py"
@@ -436,15 +437,26 @@ def test_first_host(nodelist, host):
 # ----------------------------------------------------------------------------- help, fast start
 
 
+def test_every_registered_command_is_a_command_of_the_app_with_its_own_module():
+    top_level = [words[0] for words, _ in registered_commands() if len(words) == 1]
+    assert top_level == list(COMMANDS)
+    modules = {path.stem for path in Path(commands.__file__).parent.glob("*.py")}
+    assert modules - {"__init__"} == {name.replace("-", "_") for name in COMMANDS}
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help(flag):
     result = invoke(flag)
     assert result.exit_code == 0, result.output
-    assert "launch" in result.output and "inspect-config" in result.output
-    for command in (["launch"], ["inspect-config"], ["cache", "build"]):
-        sub = invoke(*command, flag)
+    commands = registered_commands()[1:]
+    for words, command in commands:
+        if len(words) == 1:
+            assert words[0] in result.output
+        sub = invoke(*words, flag)
         assert sub.exit_code == 0, sub.output
-        assert "RECIPE" in sub.output and "KEY=VALUE" in sub.output
+        if any(param.name == "recipe" for param in command.params):
+            assert "RECIPE" in sub.output and "KEY=VALUE" in sub.output
+    assert ["cache", "build"] in [words for words, _ in commands]  # groups are walked too
 
 
 def test_help_and_inspect_config_do_not_import_torch(tmp_path):

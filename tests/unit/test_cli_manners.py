@@ -5,15 +5,28 @@ from __future__ import annotations
 import itertools
 import platform
 
+import click
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from litegen_cli.app import app
 from litegen_cli.env_report import OPTIONAL_PACKAGES, distribution_version, optional_package
 
 runner = CliRunner()
-COMMANDS = [[], ["launch"], ["resume"], ["inspect-config"], ["env"], ["cache"], ["cache", "build"]]
 BOX = tuple("│╭╰")
+
+
+def registered_commands() -> list[tuple[list[str], click.Command]]:
+    """Every command and group the app registers, as the words that call it (``[]`` is
+    `litegen` itself) and its Click command, read from the tree Typer builds for the app."""
+
+    def walk(command: click.Command, words: list[str]):
+        yield words, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+
+    return list(walk(typer.main.get_command(app), []))
 
 
 def invoke(*args: str, **env: str):
@@ -82,7 +95,7 @@ def hard_breaks(text: str, width: int) -> list[str]:
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_help_paragraphs_are_not_broken_mid_sentence(width):
-    for command in COMMANDS:
-        result = invoke(*command, "--help", COLUMNS=str(width))
+    for words, _ in registered_commands():
+        result = invoke(*words, "--help", COLUMNS=str(width))
         assert result.exit_code == 0, result.output
-        assert not hard_breaks(result.output, width), (command, hard_breaks(result.output, width))
+        assert not hard_breaks(result.output, width), (words, hard_breaks(result.output, width))

@@ -12,7 +12,9 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "litegen_core" / "src" / "litegen"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "litegen_core" / "src" / "litegen"
+CLI_COMMANDS = ROOT / "litegen_cli" / "src" / "litegen_cli" / "commands"
 # The one door into the lab: prepare opens it, inside a function, when the config asks.
 EXPERIMENTAL_DOOR = "runtime/litegen.py"
 
@@ -237,6 +239,18 @@ def test_the_config_imports_nothing_above_it():
         if module.startswith("litegen.config")
         for target in edges
         if not target.startswith("litegen.config")
+    ]
+    assert not offenders, offenders
+
+
+def test_cli_commands_import_neither_the_app_nor_each_other():
+    # app.py registers the commands; what two commands share lives in a module named for what
+    # it does, so each command module stays one command and the app imports no cycle.
+    offenders = [
+        f"commands/{path.name} imports {name}"
+        for path in sorted(CLI_COMMANDS.glob("*.py"))
+        for name, _ in imports_of(path)
+        if name.split(".")[:2] in (["litegen_cli", "app"], ["litegen_cli", "commands"])
     ]
     assert not offenders, offenders
 
