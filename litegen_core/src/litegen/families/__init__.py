@@ -89,15 +89,21 @@ def family_for_transformer(transformer_class: str) -> type[Family]:
 
 
 def key_map_for(transformer: Any) -> KeyMap | None:
-    """The original-checkpoint key map of a transformer (its class name, or the model), or
-    None when no family trains that class or its family has no map.
+    """The original-checkpoint key map of a transformer (its class name, or the model, also
+    when wrapped by ``fully_shard``), or None when no family trains that class or its family
+    has no map.
 
     Example:
         >>> key_map_for("FluxTransformer2DModel").lora_names
         ('lora_down', 'lora_up')
     """
-    name = transformer if isinstance(transformer, str) else type(transformer).__name__
-    found = [cls for cls in families().values() if cls.transformer_class == name]
+    # A model's class and its bases: fully_shard (fsdp2) makes the class FSDP<name>.
+    names = (
+        {transformer}
+        if isinstance(transformer, str)
+        else {cls.__name__ for cls in type(transformer).__mro__}
+    )
+    found = [cls for cls in families().values() if cls.transformer_class in names]
     return found[0].original_keys if found else None
 
 
