@@ -189,35 +189,32 @@ def test_original_lora_loads_in_diffusers_as_trained(lora_run: Run) -> None:
 
 
 def check_original_lora_round_trip(run: Run, path: Path) -> None:
-    """The original-format file read back by LiteGen's inverse converter holds the trained
-    adapters: each lora_A, and each lora_B times alpha / rank."""
+    """The original-format file read back by LiteGen's inverse converter adds to each module
+    what the trained adapters add (``alpha / rank * B @ A``; a fused module may read back at
+    the fused rank, its unadapted parts with zero deltas)."""
     from litegen.families.original_format import lora_from_original, output_rows
     from litegen.lora import adapter_alpha_state
 
     model = trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
-    want = adapter_alpha_state(model, model.state_dict())
+    want = deltas(adapter_alpha_state(model, model.state_dict()))
     rows = output_rows(model)
-    got = lora_from_original(load_file(path), run.case.family_class.original_keys, rows=rows)
-    # A fused original module with unadapted parts (Flux's linear1 without proj_mlp) reads
-    # back with zero adapters for them.
+    got = deltas(
+        lora_from_original(load_file(path), run.case.family_class.original_keys, rows=rows)
+    )
     assert want.keys() <= got.keys()
-    extra = [k for k in got.keys() - want.keys() if ".lora_B." in k]
-    assert not [k for k in extra if got[k].count_nonzero()]
-    for key, value in scaled(want).items():
-        torch.testing.assert_close(scaled(got)[key], value, rtol=1e-6, atol=0, msg=key)
+    assert not [m for m in got.keys() - want.keys() if got[m].count_nonzero()]
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, rtol=1e-5, atol=1e-7, msg=module)
 
 
-def scaled(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What each adapter adds, whether a file keeps alpha or carries the scale in lora_B:
-    lora_A as it is, lora_B times alpha / rank."""
+def deltas(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each adapted module adds to its weight: ``alpha / rank * lora_B @ lora_A``."""
     out = {}
-    for key, value in adapters.items():
-        module, _, kind = key.partition(".lora_")
-        if kind == "B.weight":
-            rank = adapters[f"{module}.lora_A.weight"].shape[0]
-            out[key] = value * float(adapters[f"{module}.alpha"]) / rank
-        elif kind:
-            out[key] = value
+    for key, down in adapters.items():
+        module, sep, _ = key.partition(".lora_A.weight")
+        if sep:
+            up, alpha = adapters[f"{module}.lora_B.weight"], adapters[f"{module}.alpha"]
+            out[module] = float(alpha) / down.shape[0] * (up.double() @ down.double())
     return out
 
 
