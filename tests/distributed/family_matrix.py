@@ -75,12 +75,42 @@ class Case:
 
     @property
     def exp_name(self) -> str:
-        return self.id.replace("-", "_")
+        return self.id.replace("-", "_").replace("+", "_")
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """The condition files its media folder gives."""
+        return () if self.conditioning == TEXT else tuple(self.conditioning.split("+"))
+
+    @property
+    def sampled_with(self) -> tuple[str, ...]:
+        """The conditions its validation sample gets a file for: those it gives, and those
+        the pipeline cannot sample without."""
+        conditions = media_conditions(self.family_class)
+        needed = [name for name, condition in conditions.items() if not condition.optional]
+        return tuple(sorted({*self.given, *needed}))
+
+    def condition_kinds(self, names: tuple[str, ...]) -> dict[str, str]:
+        """``image`` or ``video``, by condition name."""
+        conditions = media_conditions(self.family_class)
+        return {name: conditions[name].kind for name in names}
+
+
+def media_conditions(family: Any) -> dict[str, Any]:
+    """The files beyond the caption a sample of ``family`` brings, by name
+    (``Family.media_conditions``: a first frame, a reference image, a control video)."""
+    return dict(getattr(family, "media_conditions", {}))
 
 
 def conditionings(family: Any) -> list[str]:
-    """The conditionings a family trains with: the caption alone."""
-    return [TEXT]
+    """The conditionings a family trains with, each the condition files its media folder
+    gives (joined by ``+``): none (:data:`TEXT`: the caption alone, and the defaults of its
+    conditions, such as a clip's own first frame) unless one is required, and each condition
+    it takes, with the required ones."""
+    conditions = media_conditions(family)
+    required = sorted(name for name, condition in conditions.items() if condition.required)
+    given = [required] + [sorted([*required, name]) for name in conditions if name not in required]
+    return ["+".join(names) or TEXT for names in given]
 
 
 def lora_cases() -> list[Case]:
@@ -96,11 +126,14 @@ def lora_cases() -> list[Case]:
 
 
 def full_cases() -> list[Case]:
-    """Every family x strategy training its whole transformer, caption alone."""
+    """Every family x strategy training its whole transformer, at its first conditioning
+    (the caption alone, or the conditions it requires)."""
     from litegen.families import families
 
     return [
-        Case(name, TEXT, strategy, lora=False) for name in families() for strategy in STRATEGIES
+        Case(name, conditionings(family)[0], strategy, lora=False)
+        for name, family in families().items()
+        for strategy in STRATEGIES
     ]
 
 
@@ -138,9 +171,45 @@ class Run:
         return [row["loss"] for row in map(json.loads, lines) if "loss" in row]
 
 
+def make_media(root: Path, video: bool, conditions: Mapping[str, str]) -> Path:
+    """Four clips (a video family) or four images, each with a caption and a companion file
+    ``<stem>.<name>.<ext>`` per condition (``conditions``: name -> image or video)."""
+    from tests.media import make_media_folder, write_mp4, write_png
+
+    make_media_folder(root, images=0 if video else 4, videos=4 if video else 0, frames=9)
+    for media in sorted([*root.glob("*/*.mp4"), *root.glob("*/*.png")]):
+        for name, kind in conditions.items():
+            companion = media.with_name(f"{media.stem}.{name}")
+            if kind == "video":
+                write_mp4(companion.with_suffix(".mp4"), 48, 32, frames=9)
+            else:
+                write_png(companion.with_suffix(".png"), 48, 32, color=(250, 120, 0))
+    return root
+
+
+def validation_files(folder: Path, conditions: Mapping[str, str]) -> list[str]:
+    """The override giving the validation prompt one file per condition (``conditions``:
+    name -> image or video), written into ``folder``; none without conditions."""
+    from tests.media import write_mp4, write_png
+
+    if not conditions:
+        return []
+    files = {}
+    for name, kind in conditions.items():
+        if kind == "video":
+            files[name] = write_mp4(folder / f"validation.{name}.mp4", 32, 32, frames=9)
+        else:
+            files[name] = write_png(folder / f"validation.{name}.png", 32, 32, color=(0, 200, 90))
+    given = ", ".join(f"{name}: [{path}]" for name, path in files.items())
+    return [f"trainer.validation.conditions={{{given}}}"]
+
+
 def launch(case: Case, pipeline: Path, media: Path, cache_root: Path, results: Path) -> Run:
     """`litegen launch <recipe> ...` for ``case`` on 2 gloo ranks, to the end."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    sampled_with = case.condition_kinds(case.sampled_with)
     overrides = [
+        *validation_files(results.parent, sampled_with),
         *SHORT,
         *(VIDEO if case.family_class.latent.is_video else ()),
         f"optimization.parallel.strategy={case.strategy}",
@@ -229,6 +298,8 @@ __all__ = [
     "launch",
     "limit",
     "lora_cases",
+    "make_media",
+    "media_conditions",
     "outputs",
     "trained_lora_transformer",
 ]

@@ -27,6 +27,7 @@ The whole matrix is marked ``family_matrix`` and runs with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,10 @@ from tests.distributed.family_matrix import (
     launch,
     limit,
     lora_cases,
+    make_media,
     outputs,
     trained_lora_transformer,
 )
-from tests.media import make_media_folder
 from tests.pipelines import tiny_pipeline_folder
 
 pytest.importorskip("diffusers")
@@ -75,8 +76,20 @@ def params(cases: list[Case]) -> list:
 
 
 @pytest.fixture(scope="session")
-def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_media_folder(tmp_path_factory.mktemp("media"), images=2, videos=2, frames=9)
+def media_folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Case], Path]:
+    """The media folder of a case: clips or images, and its condition files; one per kind of
+    family and conditions, shared by the cases that train on the same."""
+    made: dict[tuple, Path] = {}
+
+    def folder(case: Case) -> Path:
+        video = case.family_class.latent.is_video
+        conditions = case.condition_kinds(case.given)
+        key = (video, tuple(sorted(conditions.items())))
+        if key not in made:
+            made[key] = make_media(tmp_path_factory.mktemp("media"), video, conditions)
+        return made[key]
+
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -85,19 +98,20 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def run_case(case: Case, media: Path, caches: Path, tmp_path_factory) -> Run:
+def run_case(case: Case, media_folders, caches: Path, tmp_path_factory) -> Run:
     results = tmp_path_factory.mktemp(case.id) / "results"
-    return launch(case, tiny_pipeline_folder(case.family), media, caches, results)
+    pipeline = tiny_pipeline_folder(case.family)
+    return launch(case, pipeline, media_folders(case), caches, results)
 
 
 @pytest.fixture(scope="module", params=params(lora_cases()))
-def lora_run(request, media: Path, caches: Path, tmp_path_factory) -> Run:
-    return run_case(request.param, media, caches, tmp_path_factory)
+def lora_run(request, media_folders, caches: Path, tmp_path_factory) -> Run:
+    return run_case(request.param, media_folders, caches, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=params(full_cases()))
-def full_run(request, media: Path, caches: Path, tmp_path_factory) -> Run:
-    return run_case(request.param, media, caches, tmp_path_factory)
+def full_run(request, media_folders, caches: Path, tmp_path_factory) -> Run:
+    return run_case(request.param, media_folders, caches, tmp_path_factory)
 
 
 # -- training and samples ---------------------------------------------------------------------
