@@ -32,6 +32,28 @@ def tiny_batch(family, batch: int = 2) -> dict[str, torch.Tensor]:
     if "pooled" in family.conditions:
         pooled = family.tiny_config["pooled_projection_dim"]
         out["pooled"] = torch.randn(batch, pooled, generator=generator)
+    if family.media_conditions:
+        out |= media_condition_tensors(family, out["latents"].shape, generator)
+    return out
+
+
+def media_condition_tensors(family, latent_shape, generator) -> dict[str, torch.Tensor]:
+    """The tensors of the family's media conditions for latents of ``latent_shape``, encoded
+    by its tiny pipeline from random pixels of the matching size, and its text tensors (a
+    family with conditions may need its own text length: Wan I2V's 512 tokens)."""
+    pipe = family.tiny_pipeline()
+    rules = family.latent
+    size = [side * rules.spatial_compression for side in latent_shape[-2:]]
+    frames = [(latent_shape[2] - 1) * rules.temporal_compression + 1] if rules.is_video else []
+    clip = torch.rand(latent_shape[0], 3, *frames, *size, generator=generator) * 2 - 1
+    with torch.no_grad():
+        out = family({}).encode_text(pipe, ["a fox"] * latent_shape[0])
+    for name, condition in family.media_conditions.items():
+        pixels = clip[:, :, 0] if rules.is_video else clip
+        if condition.kind == "video":
+            pixels = clip
+        with torch.no_grad():
+            out |= family({}).encode_condition(pipe, name, pixels, clip, micro_batch_size=2)
     return out
 
 
@@ -40,7 +62,11 @@ def test_the_registry_holds_the_families_and_names_them_when_asked_for_another()
     for name, family in families().items():
         assert family_named(name) is family
         assert family_for_pipeline(family.pipeline_class) is family
-        assert family_for_transformer(family.transformer_class) is family
+        # Families of one transformer class (Wan T2V and I2V) share its key map and plan.
+        found = family_for_transformer(family.transformer_class)
+        assert found.transformer_class == family.transformer_class
+        assert found.original_keys is family.original_keys
+        assert found.sequence_plan.__func__ is family.sequence_plan.__func__
     with pytest.raises(ValueError, match=r"no model family trains a CogVideoXPipeline; the "
                        r"families are flux \(FluxPipeline\), wan \(WanPipeline\)"):  # fmt: skip
         family_for_pipeline("CogVideoXPipeline")

@@ -92,6 +92,30 @@ def test_paths_are_absolute_when_the_recipe_is_loaded(tmp_path, monkeypatch):
     assert config.finetune.pipeline == str(tmp_path / "models" / "wan")
     assert config.finetune.data.folder == str(tmp_path / "clips")
     assert config.finetune.data.cache_root == str(tmp_path / "cache" / "finetune")
+    first = load_recipe(VIDEO, ["trainer.validation.conditions={image: [frames/a.png]}"]).config
+    assert first.trainer.validation.conditions == {"image": [str(tmp_path / "frames" / "a.png")]}
+
+
+def test_the_caption_bound_and_content_digest_reach_the_scan_and_the_cache_keys(media):
+    from litegen.finetune.cache import media_cache_keys
+    from litegen.finetune.media import media_dataset
+    from litegen.finetune.pipeline import pipeline_family
+    from tests.pipelines import tiny_pipeline_folder
+
+    def config(*overrides: str):
+        return load_recipe(VIDEO, [f"finetune.pipeline={tiny_pipeline_folder('wan')}",
+                                   f"finetune.data.folder={media}", "finetune.data.max_frames=9",
+                                   *overrides]).config  # fmt: skip
+
+    plain = config()
+    dataset = media_dataset(plain, pipeline_family(plain))
+    short = config("finetune.data.max_caption_bytes=15")  # "a photo number 1" has 16 bytes
+    assert {f.path.suffix for f in media_dataset(short, pipeline_family(short)).files} == {".mp4"}
+    digest = config("finetune.data.cache_content_digest=true")
+    assert media_cache_keys(plain, dataset)[:-1] != media_cache_keys(digest, dataset)[:-1]
+    code, out = inspect(VIDEO, "finetune.data.max_caption_bytes=0",
+                        "finetune.data.cache_content_digets=true")  # fmt: skip
+    assert code == 2 and "finetune.data.max_caption_bytes" in out and "cache_content_digest" in out
 
 
 def test_the_family_frame_rule_and_settings_that_do_not_apply(media):

@@ -49,6 +49,14 @@ class FinetuneDataConfig(Section):
     caption_dropout: float = Field(
         0.0, ge=0.0, le=1.0, description="probability of training on the empty caption"
     )
+    max_caption_bytes: int = Field(
+        1 << 20, ge=1, description="a longer caption (UTF-8) makes its file bad, unread"
+    )
+    cache_content_digest: bool = Field(
+        False,
+        description="cache keys from a digest of each file's bytes instead of its size and "
+        "modification time (survives copies that reset times; reads every file once)",
+    )
 
 
 class FinetuneObjectiveConfig(Section):

@@ -225,7 +225,7 @@ class MainConfig(Config):
 
         ``results_dir`` is filled in (``results/<exp_name>`` when unset); the other path
         fields only when set, the ``finetune`` section's (pipeline, media folder, cache root)
-        included.
+        and the validation's condition files included.
 
         >>> MainConfig(results_dir="out").with_absolute_paths("/runs").results_dir
         '/runs/out'
@@ -235,6 +235,10 @@ class MainConfig(Config):
         def absolute(path: str | None) -> str | None:
             return None if path is None else str(base / Path(path).expanduser())
 
+        validation_files = {
+            name: [absolute(path) for path in paths]
+            for name, paths in self.trainer.validation.conditions.items()
+        }
         finetune = self.finetune
         if finetune is not None:
             data = finetune.data.model_copy(
@@ -252,7 +256,12 @@ class MainConfig(Config):
                 "resume_from": absolute(self.resume_from),
                 "ema": self.ema.model_copy(update={"resume_from": absolute(self.ema.resume_from)}),
                 "trainer": self.trainer.model_copy(
-                    update={"resume_run": absolute(self.trainer.resume_run)}
+                    update={
+                        "resume_run": absolute(self.trainer.resume_run),
+                        "validation": self.trainer.validation.model_copy(
+                            update={"conditions": validation_files}
+                        ),
+                    }
                 ),
             }
         )

@@ -52,6 +52,11 @@ class ValidationConfig(Section):
     width: int | None = Field(None, ge=1, description="pixels")
     frames: int | None = Field(None, ge=1, description="frames of a video")
     seed: int = Field(0, description="seeds the sampling generator; the training RNG is untouched")
+    conditions: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="media condition name (image, reference, control_video) -> one file per "
+        "prompt, for a model that takes them",
+    )
 
 
 class TrainerConfig(Section):

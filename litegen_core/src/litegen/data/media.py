@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from litegen.data.media_buckets import Bucket, MediaBuckets
-from litegen.data.media_files import MAX_CAPTION_BYTES, OnBad, scan_media
+from litegen.data.media_files import MAX_CAPTION_BYTES, VIDEO_SUFFIXES, OnBad, scan_media
 
 log = logging.getLogger("litegen")
 
@@ -53,11 +55,18 @@ class MediaDataset(Dataset):
         recursive: bool = True,
         on_bad: OnBad = "skip",
         max_caption_bytes: int = MAX_CAPTION_BYTES,
+        conditions: Mapping[str, Literal["image", "video"]] | None = None,
+        required: Collection[str] = (),
     ) -> None:
         self.root = Path(root)
         self.buckets = buckets or MediaBuckets()
         self.files, self.bad = scan_media(
-            self.root, recursive=recursive, on_bad=on_bad, max_caption_bytes=max_caption_bytes
+            self.root,
+            recursive=recursive,
+            on_bad=on_bad,
+            max_caption_bytes=max_caption_bytes,
+            conditions=conditions,
+            required=required,
         )
         self.keys: list[Bucket] = [self.buckets.bucket(file) for file in self.files]
         sizes = ", ".join(f"{k}: {n}" for k, n in sorted(Counter(self.keys).items()))
@@ -67,22 +76,37 @@ class MediaDataset(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
-        file, (frames, height, width) = self.files[index], self.keys[index]
-        try:
-            pixels = (
-                _read_video(file.path, frames, self.buckets.frame_stride)
-                if file.is_video
-                else _read_image(file.path)
-            )
-        except Exception as error:  # name the file instead of failing deep in a worker
-            raise ValueError(
-                f"could not decode {file.path} ({type(error).__name__}: {error}); "
-                "re-encode or remove the file."
-            ) from error
-        pixels = _cover_crop(pixels, height, width).sub(0.5).mul(2)  # [F, C, H, W] in [-1, 1]
+        file = self.files[index]
+        pixels = self._pixels(file.path, file.is_video, self.keys[index])
         if not self.buckets.is_video:
             return pixels[0], file.caption
         return pixels.transpose(0, 1).contiguous(), file.caption
+
+    def conditions(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``'s condition files by name, read as its clip is: at its bucket's
+        size, an image ``(C, H, W)``, a video ``(C, T, H, W)`` of its bucket's frames."""
+        out = {}
+        for name, path in self.files[index].conditions:
+            is_video = path.suffix.lower() in VIDEO_SUFFIXES
+            pixels = self._pixels(path, is_video, self.keys[index])
+            out[name] = pixels.transpose(0, 1).contiguous() if is_video else pixels[0]
+        return out
+
+    def _pixels(self, path: Path, is_video: bool, bucket: Bucket) -> torch.Tensor:
+        """``path`` read at ``bucket``, ``[F, C, H, W]`` in [-1, 1]."""
+        frames, height, width = bucket
+        try:
+            pixels = (
+                _read_video(path, frames, self.buckets.frame_stride)
+                if is_video
+                else _read_image(path)
+            )
+        except Exception as error:  # name the file instead of failing deep in a worker
+            raise ValueError(
+                f"could not decode {path} ({type(error).__name__}: {error}); "
+                "re-encode or remove the file."
+            ) from error
+        return _cover_crop(pixels, height, width).sub(0.5).mul(2)
 
 
 def _read_image(path: Path) -> torch.Tensor:

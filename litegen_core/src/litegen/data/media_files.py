@@ -9,6 +9,11 @@ that is not valid UTF-8, or a caption file without media) is a :class:`BadFile` 
 and the reason; ``on_bad="skip"`` leaves it out and logs the
 count, ``on_bad="error"`` refuses the folder with every bad file listed.
 
+Condition files (a first frame, a reference image, a control video) go with a media file
+through a metadata column or a companion file ``<stem>.<name>.<ext>``
+(:mod:`litegen.data.media_conditions`); ``conditions`` names the ones the model takes, by kind.
+A missing or unreadable condition file, or a missing ``required`` one, makes its media file bad.
+
 Pillow reads images; PyAV (``pip install 'litegen-core[media]'``) reads videos, imported only
 when the folder has one.
 """
@@ -20,8 +25,11 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Literal
+
+from litegen.data.media_conditions import companion_files, metadata_conditions, untaken_problem
 
 log = logging.getLogger("litegen")
 
@@ -47,6 +55,7 @@ class MediaFile:
     height: int
     frames: int = 1  # 1 for an image
     is_video: bool = False
+    conditions: tuple[tuple[str, Path], ...] = ()  # (condition name, its file), by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +93,13 @@ def scan_media(
     recursive: bool = True,
     on_bad: OnBad = "skip",
     max_caption_bytes: int = MAX_CAPTION_BYTES,
+    conditions: Mapping[str, Literal["image", "video"]] | None = None,
+    required: Collection[str] = (),
 ) -> tuple[list[MediaFile], list[BadFile]]:
     """The usable media files under ``root`` (sorted by path) and the bad ones. A caption
-    longer than ``max_caption_bytes`` (UTF-8) makes its file bad, unread.
+    longer than ``max_caption_bytes`` (UTF-8) makes its file bad, unread. ``conditions``
+    names the condition files the model takes and their kind; condition files of other names
+    raise a ``ValueError`` whatever ``on_bad`` says (``None``: conditions are not looked at).
 
     Example::
 
@@ -97,16 +110,34 @@ def scan_media(
         raise ValueError(f"on_bad must be 'skip' or 'error', got {on_bad!r}.")
     root = Path(root)
     paths, media = _listing(root, recursive)
+    companions: dict[Path, dict[str, Path]] = {}
+    if conditions is not None:  # condition files are not samples
+        media, companions, orphans = companion_files(media)
+        bad_orphans = [
+            BadFile(p, "condition file without a media file of the same name") for p in orphans
+        ]
     # Names that are not UTF-8 cannot go into the cache keys or most logs: named, left out.
     bad = [
         BadFile(path, "its name is not valid UTF-8: rename it (e.g. convmv -f latin1 -t utf8)")
         for path in media
         if not _utf8_name(path)
     ]
-    captions, bad_captions = _captions(root, paths, media, max_caption_bytes)
+    captions, bad_captions, columns = _captions(root, paths, media, max_caption_bytes)
     bad += bad_captions
+    found: dict[Path, dict[str, Path]] = {}
+    if conditions is not None:
+        found = {
+            p: {**companions.get(p, {}), **columns.get(p, {})} for p in {*companions, *columns}
+        }
+        bad += bad_orphans
+        problem = untaken_problem(root, found, conditions)
+        if problem:
+            raise ValueError(problem)
+    referenced = {file for given in found.values() for file in given.values()}
     files = []
     for path in filter(_utf8_name, media):
+        if path in referenced:  # a metadata column's condition file, not a sample
+            continue
         if path not in captions:
             bad.append(BadFile(path, "no caption: add a same-name .txt file or a metadata row"))
             continue
@@ -114,6 +145,8 @@ def scan_media(
             bad.append(captions[path])
             continue
         probed = _probe(path, captions[path])
+        if isinstance(probed, MediaFile) and conditions is not None:
+            probed = _with_conditions(probed, found.get(path, {}), conditions, required)
         (files if isinstance(probed, MediaFile) else bad).append(probed)
     bad.sort(key=lambda b: b.path)
     if bad and on_bad == "error":
@@ -167,9 +200,10 @@ def _listing(root: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
 
 def _captions(
     root: Path, paths: list[Path], media: list[Path], max_bytes: int
-) -> tuple[dict[Path, str | BadFile], list[BadFile]]:
-    """Captions by media path, from the metadata file if there is one, else from .txt files;
-    a caption over ``max_bytes`` is the :class:`BadFile` of its media file instead."""
+) -> tuple[dict[Path, str | BadFile], list[BadFile], dict[Path, dict[str, Path]]]:
+    """Captions by media path, from the metadata file if there is one, else from .txt files
+    (a caption over ``max_bytes`` is the :class:`BadFile` of its media file instead), and the
+    metadata's condition columns by media path."""
     metadata = [root / name for name in METADATA_FILES if (root / name).is_file()]
     if metadata:
         return _metadata_captions(metadata[0], set(media), max_bytes)
@@ -201,7 +235,7 @@ def _captions(
             continue
         if text:
             captions[path] = text
-    return captions, bad
+    return captions, bad, {}
 
 
 def _too_long(what: str, size: int, limit: int) -> str:
@@ -213,7 +247,7 @@ def _too_long(what: str, size: int, limit: int) -> str:
 
 def _metadata_captions(
     metadata: Path, media: set[Path], max_bytes: int
-) -> tuple[dict[Path, str | BadFile], list[BadFile]]:
+) -> tuple[dict[Path, str | BadFile], list[BadFile], dict[Path, dict[str, Path]]]:
     rows = _read_rows(metadata)
     columns = set().union(*(row.keys() for row in rows)) if rows else set()
     file_column = next((c for c in FILE_COLUMNS if c in columns), None)
@@ -223,10 +257,11 @@ def _metadata_captions(
             f"{metadata} needs a file column ({' / '.join(FILE_COLUMNS)}) and a caption column "
             f"({' / '.join(CAPTION_COLUMNS)}); it has {sorted(columns) or 'no rows'}."
         )
-    captions, bad = {}, []
+    captions, bad, named = {}, [], []
     for number, row in enumerate(rows, start=2 if metadata.suffix == ".csv" else 1):
         path = metadata.parent / str(row.get(file_column) or "")
         caption = str(row.get(caption_column) or "").strip()
+        named.append((number, path, row))
         if path not in media:
             bad.append(BadFile(metadata, f"row {number} names {path.name!r}, not a media file"))
         elif len(caption.encode("utf-8", errors="surrogatepass")) > max_bytes:
@@ -236,7 +271,7 @@ def _metadata_captions(
             )
         elif caption:
             captions[path] = caption
-    return captions, bad
+    return captions, bad, metadata_conditions(metadata, named, file_column)
 
 
 def _read_rows(metadata: Path) -> list[dict]:
@@ -279,6 +314,40 @@ def _probe(path: Path, caption: str) -> MediaFile | BadFile:
     if frames < 1:
         return BadFile(path, "no video frames")
     return MediaFile(path, caption, width, height, frames, is_video=True)
+
+
+def _with_conditions(
+    file: MediaFile,
+    given: dict[str, Path],
+    kinds: Mapping[str, Literal["image", "video"]],
+    required: Collection[str],
+) -> MediaFile | BadFile:
+    """``file`` with its condition files, each checked to be a readable file of its kind, or
+    the :class:`BadFile` saying which one is missing or unreadable."""
+    for name in sorted(required):
+        if name not in given:
+            stem = file.path.with_suffix("").name
+            return BadFile(
+                file.path,
+                f"no {name} condition: add a companion file {stem}.{name}.<ext> or a "
+                f"{name!r} metadata column",
+            )
+    for name, path in sorted(given.items()):
+        kind = kinds[name]
+        suffixes = IMAGE_SUFFIXES if kind == "image" else VIDEO_SUFFIXES
+        if not path.is_file():
+            return BadFile(file.path, f"its {name} condition {path} does not exist")
+        if path.suffix.lower() not in suffixes:
+            what = "an image" if kind == "image" else "a video"
+            return BadFile(file.path, f"its {name} condition {path} is not {what} file")
+        try:
+            _image_size(path) if kind == "image" else _video_size(path)
+        except Exception as error:  # the condition's fault, named with its media file
+            return BadFile(
+                file.path,
+                f"its {name} condition {path} is unreadable ({type(error).__name__}: {error})",
+            )
+    return dataclasses.replace(file, conditions=tuple(sorted(given.items())))
 
 
 def _image_size(path: Path) -> tuple[int, int]:

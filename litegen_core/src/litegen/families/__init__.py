@@ -21,7 +21,7 @@ import inspect
 import pkgutil
 from typing import Any
 
-from litegen.families.base import Family, LatentRules
+from litegen.families.base import Family, LatentRules, MediaCondition
 from litegen.families.key_map import KeyMap
 
 # This package's modules that declare no family: not imported by the registry (so the
@@ -73,8 +73,9 @@ def family_for_pipeline(pipeline_class: str) -> type[Family]:
 
 
 def family_for_transformer(transformer_class: str) -> type[Family]:
-    """The family whose trained transformer is of class ``transformer_class``; ValueError
-    naming the families that exist when none is.
+    """The family whose trained transformer is of class ``transformer_class`` (the first by
+    name where several share it, as Wan's text- and image-to-video do: they share its key map
+    and sequence plan); ValueError naming the families that exist when none is.
 
     Example:
         >>> family_for_transformer("FluxTransformer2DModel").name
@@ -115,6 +116,7 @@ def original_format_classes() -> list[str]:
 __all__ = [
     "Family",
     "LatentRules",
+    "MediaCondition",
     "families",
     "family_for_pipeline",
     "family_for_transformer",

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from litegen.data import MediaBuckets
 from litegen.families.key_map import KeyMap
@@ -61,6 +61,36 @@ class LatentRules:
         return self.temporal_compression is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaCondition:
+    """A file a sample brings beside its clip and caption, that the transformer is
+    conditioned on: a first frame, a reference image, a control video.
+
+    The media folder gives it per file, under the condition's name (a ``metadata.jsonl``/
+    ``.csv`` column, or a companion file ``<stem>.<name>.<ext>``; docs/finetune.md). ``kind``
+    says what the file is: an image, read at the clip's bucket size, or a video, read at the
+    clip's frames and size. ``default="first_frame"`` takes the clip's own frame 0 when the
+    file gives none (how image-to-video trains on plain clips). ``optional`` lets the whole
+    folder go without it; a condition that is neither is required of every file. Its name
+    must be one of :data:`litegen.data.CONDITION_NAMES`.
+
+    Example:
+        >>> first = MediaCondition("image", "the first frame", default="first_frame")
+        >>> first.required
+        False
+    """
+
+    kind: Literal["image", "video"]
+    description: str  # what it conditions and how it is encoded, in words (for the docs)
+    default: Literal["first_frame"] | None = None
+    optional: bool = False
+
+    @property
+    def required(self) -> bool:
+        """Every file must give it: there is no default and the family cannot go without."""
+        return self.default is None and not self.optional
+
+
 class Family:
     """One family of pipelines: subclass it in a module of :mod:`litegen.families`.
 
@@ -71,6 +101,14 @@ class Family:
     ``original_keys`` maps the transformer's diffusers module names to the original
     checkpoint's (ComfyUI's ``diffusion_model.<module>`` names), for LoRA files (q/k/v fused
     where the original fuses them, alpha kept) and full weights; None while the family has none.
+
+    ``conditions`` names the tensors ``predict`` reads from the batch beside ``latents``, and
+    how each is encoded (for the docs). ``media_conditions`` declares the files beyond the
+    caption a sample brings (:class:`MediaCondition`, by name): the fine-tuning road reads each
+    at the clip's bucket, hands it to :meth:`encode_condition` with the clip, caches what that
+    returns with the latents, and the DataLoader brings those tensors to ``predict`` in
+    ``batch``. Validation samples get the same conditions, one file per prompt, in
+    :meth:`sample`'s ``conditions``.
     """
 
     name: ClassVar[str]  # the short name: wan, flux
@@ -79,7 +117,8 @@ class Family:
     trained: ClassVar[tuple[str, ...]] = ("transformer",)
     frozen: ClassVar[tuple[str, ...]] = ()  # the pipeline's other modules, never trained
     latent: ClassVar[LatentRules]
-    conditions: ClassVar[dict[str, str]] = {}  # condition name -> how it is encoded
+    conditions: ClassVar[dict[str, str]] = {}  # batch tensor name -> how it is encoded
+    media_conditions: ClassVar[dict[str, MediaCondition]] = {}  # files a sample brings
     reference_config: ClassVar[dict[str, Any]] = {}  # the published transformer's config
     tiny_config: ClassVar[dict[str, Any]] = {}  # the tiny transformer's config, for tests
     original_keys: ClassVar[KeyMap | None] = None  # the original checkpoint's module names
@@ -134,6 +173,16 @@ class Family:
         """The text conditions the transformer takes, one row per caption."""
         raise NotImplementedError
 
+    def encode_condition(
+        self, pipe: Any, name: str, pixels: torch.Tensor, clip: torch.Tensor, micro_batch_size: int
+    ) -> dict[str, torch.Tensor]:
+        """The cached tensors of media condition ``name``, one row per sample: ``pixels`` are
+        the condition's files in [-1, 1] at the clip's bucket (images ``(N, C, H, W)``, videos
+        ``(N, C, T, H, W)``), ``clip`` the clips they go with (``(N, C, T, H, W)`` for a video
+        family, ``(N, C, H, W)`` for an image one). The names returned must not clash with
+        ``latents`` or the text tensors; ``predict`` finds them in ``batch``."""
+        raise NotImplementedError(f"{type(self).__name__} declares no media condition {name!r}")
+
     # -- training ---------------------------------------------------------------------------
     def shift_for(self, seq_len: int) -> float | None:
         """The shift the pipeline samples ``seq_len`` tokens with, if it shifts by resolution."""
@@ -178,10 +227,18 @@ class Family:
 
     # -- sampling ---------------------------------------------------------------------------
     def sample(
-        self, pipe: Any, prompts: list[str], validation: Any, generator: torch.Generator
+        self,
+        pipe: Any,
+        prompts: list[str],
+        validation: Any,
+        generator: torch.Generator,
+        conditions: dict[str, list[Any]] | None = None,
     ) -> torch.Tensor:
         """Samples of ``prompts``: images ``(N, C, H, W)`` or videos ``(N, C, T, H, W)`` in
-        [0, 1], at ``validation``'s settings (``trainer.validation``)."""
+        [0, 1], at ``validation``'s settings (``trainer.validation``). ``conditions`` holds
+        each media condition's input, one per prompt, as diffusers pipelines take them: a
+        ``PIL.Image`` for an image, a list of them for a video (``trainer.validation.conditions``;
+        the fine-tuning road passes it only to a family with media conditions)."""
         raise NotImplementedError
 
 
@@ -216,6 +273,7 @@ def model_dtype(model: Any) -> torch.dtype:
 __all__ = [
     "Family",
     "LatentRules",
+    "MediaCondition",
     "max_length",
     "model_config",
     "model_dtype",

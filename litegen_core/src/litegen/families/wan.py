@@ -1,4 +1,5 @@
-"""Wan 2.1 text-to-video (``WanPipeline``, ``WanTransformer3DModel``).
+"""Wan 2.1 text-to-video (``WanPipeline``) and image-to-video (``WanImageToVideoPipeline``),
+one ``WanTransformer3DModel`` each.
 
 Latents: the Wan VAE compresses 8x in space and 4x in time (clips of ``4k + 1`` frames; one
 frame is an image), normalised by the VAE config's ``latents_mean`` and ``latents_std``;
@@ -6,11 +7,23 @@ patches of 1x2x2. Condition: the UMT5 prompt embeddings. The transformer takes t
 [0, 1000] and computes its rotary embedding itself. Sequence parallelism splits the video
 tokens at the first block and their rotary embedding, and gathers ``proj_out``.
 
+Image-to-video (:class:`WanI2V`) takes a first frame (the ``image`` media condition; the clip's
+own frame 0 when the media folder gives none): its CLIP vision embedding (the image encoder's
+penultimate hidden states, what the transformer's ``image_embedder`` and the cross-attention's
+``add_k_proj``/``add_v_proj`` read), and the pipeline's ``condition`` on channels beside the
+noisy latents: a first-frame mask (one channel per frame the VAE folds into a latent frame,
+ones at latent frame 0) then the VAE latents of the first frame followed by black (zero)
+frames. The first-and-last-frame model (``last_image``, ``pos_embed_seq_len``) and Wan 2.2's
+I2V (no image encoder) are not trained here. diffusers 0.42.1's ``WanImageToVideoPipeline``
+cleans prompts with ftfy whether it is installed or not: prompts are encoded through
+``WanPipeline``'s own UMT5 path (ftfy when installed, as there) and handed to it as embeddings.
+
 Example::
 
-    from litegen.families.wan import Wan
+    from litegen.families.wan import Wan, WanI2V
 
-    pipe = Wan.tiny_pipeline()  # a WanPipeline at Wan.tiny_config, random weights
+    pipe = Wan.tiny_pipeline()     # a WanPipeline at Wan.tiny_config, random weights
+    i2v = WanI2V.tiny_pipeline()   # a WanImageToVideoPipeline with a tiny CLIP image encoder
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from litegen.families.base import (
     Family,
     LatentRules,
+    MediaCondition,
     max_length,
     model_dtype,
     pipeline_settings,
@@ -217,7 +231,7 @@ class Wan(Family):
             return_dict=False,
         )[0]
 
-    def sample(self, pipe, prompts, validation, generator):
+    def sample(self, pipe, prompts, validation, generator, conditions=None):
         frames = pipe(
             prompt=prompts,
             **pipeline_settings(validation, num_frames=validation.frames),
@@ -228,4 +242,153 @@ class Wan(Family):
         return frames.transpose(1, 2)
 
 
-__all__ = ["Wan"]
+# The I2V transformer splits its cross-attention context into image and text tokens by counting
+# 512 text tokens from the end: the prompt embeddings always have 512 rows, whatever the
+# tokenizer's length.
+I2V_TEXT_TOKENS = 512
+
+
+class WanI2V(Wan):
+    """Wan 2.1 image-to-video: the T2V forward with a first frame's CLIP embedding and its
+    masked latents on channels (the ``image`` condition; the clip's frame 0 by default)."""
+
+    name = "wan_i2v"
+    pipeline_class = "WanImageToVideoPipeline"
+    frozen = ("vae", "text_encoder", "image_encoder")
+    conditions: ClassVar[dict[str, str]] = {
+        "prompt_embeds": "the UMT5 encoder's last hidden state, padded to 512 tokens",
+        "image_embeds": "the CLIP vision encoder's penultimate hidden states of the first frame",
+        "first_frame": "the first-frame mask (VAE time-compression channels, ones at latent "
+        "frame 0) then the VAE latents of the first frame followed by zero frames",
+    }
+    media_conditions: ClassVar[dict[str, MediaCondition]] = {
+        "image": MediaCondition(
+            "image", "the first frame the video starts from", default="first_frame"
+        )
+    }
+    reference_config: ClassVar[dict[str, Any]] = {  # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers
+        **Wan.reference_config,
+        "num_attention_heads": 40,
+        "in_channels": 36,  # 16 noisy + 4 mask + 16 first-frame latents
+        "ffn_dim": 13824,
+        "num_layers": 40,
+        "image_dim": 1280,
+        "added_kv_proj_dim": 5120,
+    }
+    tiny_config: ClassVar[dict[str, Any]] = {
+        **Wan.tiny_config,
+        "in_channels": 12,  # 4 noisy + 4 mask + 4 first-frame latents
+        "image_dim": 16,  # the tiny CLIP's hidden size
+        "added_kv_proj_dim": 32,  # the transformer's width, as in the published model
+    }
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0) -> Any:
+        """A ``WanImageToVideoPipeline``: the T2V parts, a tiny CLIP vision encoder (32-pixel
+        crops, 16 wide) and its image processor (Pillow backend: no torchvision needed)."""
+        import torch
+        from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        t2v = Wan.tiny_pipeline(seed)
+        torch.manual_seed(seed + 1)
+        image_encoder = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+            )
+        )
+        processor = CLIPImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return WanImageToVideoPipeline(
+            tokenizer=t2v.tokenizer,
+            text_encoder=t2v.text_encoder,
+            vae=t2v.vae,
+            scheduler=t2v.scheduler,
+            image_processor=processor,
+            image_encoder=image_encoder,
+            transformer=WanTransformer3DModel(**cls.tiny_config),
+        )
+
+    def encode_text(self, pipe, captions):
+        return {"prompt_embeds": _umt5_embeds(pipe, captions)}
+
+    def encode_condition(self, pipe, name, pixels, clip, micro_batch_size):
+        import torch
+
+        if name != "image":
+            return super().encode_condition(pipe, name, pixels, clip, micro_batch_size)
+        images = [_to_pil(frame) for frame in pixels]
+        image_embeds = pipe.encode_image(images, device=pipe.device)
+        frames = clip.shape[2] if clip.dim() == 5 else 1
+        black = pixels.new_zeros(pixels.shape[0], pixels.shape[1], frames - 1, *pixels.shape[2:])
+        video = torch.cat([pixels.unsqueeze(2), black], dim=2)
+        latents = self.encode_latents(pipe, video, micro_batch_size)
+        mask = torch.zeros_like(latents[:, :1]).repeat(1, pipe.vae_scale_factor_temporal, 1, 1, 1)
+        mask[:, :, 0] = 1  # the latent frame of the given first frame
+        return {"image_embeds": image_embeds, "first_frame": torch.cat([mask, latents], dim=1)}
+
+    def predict(self, model, noisy, sigmas, batch):
+        import torch
+
+        dtype = model_dtype(model)
+        hidden = torch.cat([noisy, batch["first_frame"].to(noisy)], dim=1)
+        return model(
+            hidden_states=hidden.to(dtype),
+            timestep=sigmas * 1000,
+            encoder_hidden_states=batch["prompt_embeds"].to(dtype),
+            encoder_hidden_states_image=batch["image_embeds"].to(dtype),
+            return_dict=False,
+        )[0]
+
+    def sample(self, pipe, prompts, validation, generator, conditions=None):
+        """One pipeline call per prompt, each from its own first frame (``conditions``'s
+        ``image``, a ``PIL.Image`` per prompt)."""
+        import torch
+
+        images = (conditions or {}).get("image")
+        if images is None or len(images) != len(prompts):
+            raise ValueError(
+                f"{self.pipeline_class} samples from a first frame per prompt: give "
+                "trainer.validation.conditions.image, one file per prompt."
+            )
+        empty = _umt5_embeds(pipe, [""])  # the pipeline's default negative prompt
+        videos = [
+            pipe(
+                image=image,
+                prompt_embeds=_umt5_embeds(pipe, [prompt]),
+                negative_prompt_embeds=empty,
+                **pipeline_settings(validation, num_frames=validation.frames),
+                generator=generator,
+                output_type="pt",
+            ).frames[0]  # (T, C, H, W) in [0, 1]
+            for prompt, image in zip(prompts, images, strict=True)
+        ]
+        return torch.stack(videos).transpose(1, 2)
+
+
+def _umt5_embeds(pipe: Any, prompts: list[str]) -> torch.Tensor:
+    """The prompts' UMT5 embeddings as ``WanPipeline`` computes them, padded to
+    :data:`I2V_TEXT_TOKENS`, on ``pipe``'s text encoder."""
+    from diffusers import WanPipeline
+
+    return WanPipeline._get_t5_prompt_embeds(
+        pipe, prompts, max_sequence_length=I2V_TEXT_TOKENS, device=pipe.device
+    )
+
+
+def _to_pil(pixels: torch.Tensor) -> Any:
+    """An image ``(C, H, W)`` in [-1, 1] as the RGB ``PIL.Image`` a pipeline is given."""
+    from PIL import Image
+
+    array = pixels.float().add(1).mul(127.5).round().clamp(0, 255).byte()
+    return Image.fromarray(array.permute(1, 2, 0).cpu().numpy())
+
+
+__all__ = ["Wan", "WanI2V"]

@@ -5,8 +5,14 @@ Latents (the pipeline's VAE) and text embeddings (its text encoders) are compute
 build`` ahead of training, or at the start of the launch for whatever is missing, each rank
 encoding its share (rank 0 shows a progress bar). The namespace is a fingerprint of the
 pipeline's files (transformer aside), the bucket rule and the family; each entry's key is the
-file's path in the media folder, size, modification time and caption, so added or edited files
-are encoded and the rest is read back.
+file's path in the media folder, size and modification time (or, with
+``finetune.data.cache_content_digest``, a digest of its bytes), its caption and the same of each
+of its condition files, so added or edited files are encoded and the rest is read back.
+
+An entry holds the text tensors (:meth:`Family.encode_text`), ``latents``
+(:meth:`Family.encode_latents`) and, for each media condition of the family, the tensors of
+:meth:`Family.encode_condition`: of the sample's condition file, or of the clip's frame 0 for a
+condition whose default is the first frame.
 
 Example::
 
@@ -28,15 +34,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from litegen.cache import TensorCache, fill_cache, fingerprint
+from litegen.cache import TensorCache, file_key, fill_cache, fingerprint
 from litegen.data import BucketBatchSampler, MediaDataset
 from litegen.families import Family
 from litegen.finetune.media import media_dataset
 from litegen.finetune.pipeline import frozen_pipeline, pipeline_family, pipeline_folder, settings
 
-CACHE_VERSION = 1  # bump when the encoding changes what it stores
+CACHE_VERSION = 2  # bump when the encoding changes what it stores
 EMPTY_PROMPT = "empty-prompt"  # the cache key of the empty caption's text embeddings
-Samples = list[tuple[torch.Tensor | None, str]]
+# What the cache encodes: (clip pixels or None, caption, condition pixels by name).
+Sample = tuple[torch.Tensor | None, str, dict[str, torch.Tensor]]
+Samples = list[Sample]
 
 
 def _files_digest(folder: Path) -> str:
@@ -60,15 +68,25 @@ def cache_name(config: Any, family: Family, dataset: MediaDataset) -> str:
     )
 
 
-def cache_keys(dataset: MediaDataset) -> list[str]:
-    """One key per file (its path in the folder, size, modification time and caption), then
-    :data:`EMPTY_PROMPT`, as :class:`CacheSources` orders them."""
+def cache_keys(dataset: MediaDataset, content_digest: bool = False) -> list[str]:
+    """One key per file (:func:`litegen.cache.file_key` of its path in the folder, with its
+    caption and its condition files' own keys), then :data:`EMPTY_PROMPT`, as
+    :class:`CacheSources` orders them. A file without conditions keeps the key it had."""
+
+    def key(path: Path, extra: str = "") -> str:
+        root = dataset.root if path.is_relative_to(dataset.root) else None
+        return file_key(path, root=root, extra=extra, content_digest=content_digest)
+
     keys = []
     for file in dataset.files:
-        stat = file.path.stat()
-        identity = f"{file.path.relative_to(dataset.root)}|{stat.st_size}|{stat.st_mtime_ns}|{file.caption}"
-        keys.append(hashlib.sha256(identity.encode()).hexdigest()[:24])
+        conditions = "".join(f"|{name}={key(path)}" for name, path in file.conditions)
+        keys.append(key(file.path, extra=file.caption + conditions))
     return [*keys, EMPTY_PROMPT]
+
+
+def media_cache_keys(config: Any, dataset: MediaDataset) -> list[str]:
+    """:func:`cache_keys` at ``finetune.data.cache_content_digest``."""
+    return cache_keys(dataset, content_digest=settings(config).data.cache_content_digest)
 
 
 def open_cache(config: Any, family: Family, dataset: MediaDataset) -> TensorCache:
@@ -78,8 +96,8 @@ def open_cache(config: Any, family: Family, dataset: MediaDataset) -> TensorCach
 
 
 class CacheSources(Dataset):
-    """What the cache encodes: the media dataset's ``(pixels, caption)`` samples, then the
-    empty caption alone (``(None, "")``: text embeddings for caption dropout)."""
+    """What the cache encodes: the media dataset's ``(pixels, caption, conditions)`` samples,
+    then the empty caption alone (``(None, "", {})``: text embeddings for caption dropout)."""
 
     def __init__(self, media: MediaDataset) -> None:
         self.media = media
@@ -87,8 +105,26 @@ class CacheSources(Dataset):
     def __len__(self) -> int:
         return len(self.media) + 1
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, str]:
-        return self.media[index] if index < len(self.media) else (None, "")
+    def __getitem__(self, index: int) -> Sample:
+        if index == len(self.media):
+            return None, "", {}
+        pixels, caption = self.media[index]
+        return pixels, caption, self.media.conditions(index)
+
+
+def condition_pixels(
+    family: Family, clips: torch.Tensor, given: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Each media condition of ``family`` for a batch of clips of one shape whose samples
+    have the same condition files: theirs stacked, or the clips' frame 0 where the
+    condition's default is the first frame; an optional one they lack is left out."""
+    out = {}
+    for name, condition in family.media_conditions.items():
+        if name in given[0]:
+            out[name] = torch.stack([sample[name] for sample in given])
+        elif condition.default == "first_frame":
+            out[name] = clips[:, :, 0] if clips.dim() == 5 else clips
+    return out
 
 
 def encoder(config: Any, family: Family, device: torch.device) -> Callable[[Samples], list]:
@@ -101,16 +137,21 @@ def encoder(config: Any, family: Family, device: torch.device) -> Callable[[Samp
         nonlocal pipe
         if pipe is None:
             pipe = frozen_pipeline(config).to(device)
-        by_shape: dict[tuple[int, ...] | None, list[int]] = {}
-        for index, (pixels, _) in enumerate(samples):
-            by_shape.setdefault(None if pixels is None else tuple(pixels.shape), []).append(index)
+        # Samples of one shape and the same condition files are encoded together.
+        groups: dict[tuple, list[int]] = {}
+        for index, (pixels, _, conditions) in enumerate(samples):
+            shape = None if pixels is None else tuple(pixels.shape)
+            groups.setdefault((shape, tuple(sorted(conditions))), []).append(index)
         out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
         with torch.no_grad():
-            for shape, indices in by_shape.items():
+            for (shape, _), indices in groups.items():
                 tensors = family.encode_text(pipe, [samples[i][1] for i in indices])
                 if shape is not None:
                     pixels = torch.stack([samples[i][0] for i in indices])
                     tensors["latents"] = family.encode_latents(pipe, pixels, batch)
+                    given = [samples[i][2] for i in indices]
+                    for name, values in condition_pixels(family, pixels, given).items():
+                        tensors |= family.encode_condition(pipe, name, values, pixels, batch)
                 for row, index in enumerate(indices):
                     out[index] = {name: value[row].cpu() for name, value in tensors.items()}
         return out
@@ -129,7 +170,8 @@ def build_cache(config: Any) -> tuple[TensorCache, CacheSources, Callable, list[
     family = pipeline_family(config)
     dataset = media_dataset(config, family)
     encode = encoder(config, family, device_of(config))
-    return open_cache(config, family, dataset), CacheSources(dataset), encode, cache_keys(dataset)
+    keys = media_cache_keys(config, dataset)
+    return open_cache(config, family, dataset), CacheSources(dataset), encode, keys
 
 
 class CachedSamples(Dataset):
@@ -179,7 +221,7 @@ def cached_data(config: Any, family: Family) -> tuple[DataLoader, dict[str, torc
                 f"the cache {Path(data.cache_root) / name} does not exist and an estimate on the "
                 "meta device encodes nothing; run `litegen cache build` with this recipe first."
             )
-    cache, keys = open_cache(config, family, dataset), cache_keys(dataset)
+    cache, keys = open_cache(config, family, dataset), media_cache_keys(config, dataset)
     missing = [i for i, key in enumerate(keys) if key not in cache]
     if missing and config.runtime.device == "meta":
         raise ValueError(
@@ -216,5 +258,7 @@ __all__ = [
     "cache_keys",
     "cache_name",
     "cached_data",
+    "condition_pixels",
     "encoder",
+    "media_cache_keys",
 ]

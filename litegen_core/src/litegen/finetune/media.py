@@ -19,6 +19,7 @@ from litegen.finetune.pipeline import pipeline_folder, read_json, settings
 
 if TYPE_CHECKING:
     from litegen.data import MediaDataset
+    from litegen.data.media_files import MediaFile
 
 
 def media_folder(config: Any) -> str:
@@ -37,14 +38,47 @@ def bucket_rule(config: Any, family: Family) -> MediaBuckets:
     return family.buckets(vae, settings(config).data)
 
 
+def scan_options(config: Any, family: Family) -> dict[str, Any]:
+    """What the media scan needs from the settings and the family: the bad-file policy, the
+    caption bound, and the condition files the family takes (their kinds) and requires."""
+    data = settings(config).data
+    taken = family.media_conditions
+    return {
+        "on_bad": data.on_bad,
+        "max_caption_bytes": data.max_caption_bytes,
+        "conditions": {name: condition.kind for name, condition in taken.items()},
+        "required": [name for name, condition in taken.items() if condition.required],
+    }
+
+
 def media_dataset(config: Any, family: Family) -> MediaDataset:
-    """The bucketed ``(pixels, caption)`` samples of ``finetune.data.folder``."""
+    """The bucketed ``(pixels, caption)`` samples of ``finetune.data.folder``, with the
+    condition files of the family's media conditions (``dataset.conditions(i)``)."""
     from litegen.data import MediaDataset
 
-    data = settings(config).data
-    return MediaDataset(
-        media_folder(config), buckets=bucket_rule(config, family), on_bad=data.on_bad
-    )
+    options = scan_options(config, family)
+    dataset = MediaDataset(media_folder(config), buckets=bucket_rule(config, family), **options)
+    problem = optional_conditions_problem(media_folder(config), dataset.files, family)
+    if problem:
+        raise ValueError(problem)
+    return dataset
+
+
+def optional_conditions_problem(root: str, files: list[MediaFile], family: Family) -> str | None:
+    """Batches stack every sample's tensors, so an optional condition without a default is
+    given for every file or for none: the message naming the files that lack it, or None."""
+    for name, condition in sorted(family.media_conditions.items()):
+        if condition.required or condition.default is not None:
+            continue
+        lacking = [str(file.path) for file in files if name not in dict(file.conditions)]
+        if lacking and len(lacking) < len(files):
+            shown = ", ".join(lacking[:5]) + (", ..." if len(lacking) > 5 else "")
+            return (
+                f"the {name} condition is given for {len(files) - len(lacking)} of "
+                f"{len(files)} files of media folder {root}: give it for every "
+                f"file or for none; {len(lacking)} lack it: {shown}"
+            )
+    return None
 
 
 def settings_problems(config: Any, family: Family) -> list[str]:
@@ -76,9 +110,11 @@ def batch_problems(config: Any, family: Family) -> tuple[list[str], list[str]]:
     """``(errors, warnings)`` of the scanned folder at the global batch size: each global
     batch comes from one bucket, so a bucket smaller than the global batch is never drawn
     (a warning naming its files), and none able to fill one is an error."""
-    data = settings(config).data
     rule = bucket_rule(config, family)
-    files, _ = scan_media(media_folder(config), on_bad=data.on_bad)
+    files, _ = scan_media(media_folder(config), **scan_options(config, family))
+    problem = optional_conditions_problem(media_folder(config), files, family)
+    if problem:
+        return [problem], []
     buckets: dict[tuple[int, int, int], list[str]] = {}
     for file in files:
         buckets.setdefault(rule.bucket(file), []).append(str(file.path))
@@ -122,5 +158,7 @@ __all__ = [
     "media_dataset",
     "media_folder",
     "media_problems",
+    "optional_conditions_problem",
+    "scan_options",
     "settings_problems",
 ]

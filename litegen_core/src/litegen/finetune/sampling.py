@@ -13,11 +13,35 @@ from typing import Any
 
 import torch
 
+from litegen.checkpoint.layout import END_OF_RUN_DIRS
 from litegen.export import export_name, write_export
 from litegen.families import Family
 from litegen.finetune.pipeline import frozen_pipeline, pipeline_folder
 
+_, PIPELINE_DIR, LORA_DIR = END_OF_RUN_DIRS  # the exports of full fine-tuning and of LoRA
 _sampling_pipes: dict[str, Any] = {}  # loaded at the first sample() and kept for the next ones
+
+
+def read_condition(path: str) -> Any:
+    """A validation condition file as diffusers pipelines take it: a ``PIL.Image`` (RGB) for
+    an image, the list of its frames for a video."""
+    from PIL import Image
+
+    from litegen.data.media_files import VIDEO_SUFFIXES
+
+    if Path(path).suffix.lower() not in VIDEO_SUFFIXES:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    import av
+
+    with av.open(path) as container:
+        return [frame.to_image() for frame in container.decode(container.streams.video[0])]
+
+
+def validation_conditions(config: Any) -> dict[str, list[Any]]:
+    """``trainer.validation.conditions`` read: per condition, one input per prompt."""
+    given = config.trainer.validation.conditions
+    return {name: [read_condition(path) for path in given[name]] for name in given}
 
 
 def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
@@ -45,7 +69,11 @@ def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
         module.to(gen.device)
     try:
         generator = torch.Generator(gen.device).manual_seed(int(validation.seed))
-        return family.sample(pipe, list(validation.prompts), validation, generator)
+        prompts = list(validation.prompts)
+        if not family.media_conditions:
+            return family.sample(pipe, prompts, validation, generator)
+        conditions = validation_conditions(config)
+        return family.sample(pipe, prompts, validation, generator, conditions=conditions)
     finally:
         for module in frozen:
             module.to("cpu")
@@ -60,7 +88,7 @@ def finish(gen: Any, config: Any, model: Any) -> None:
         state = gen.ema.state_dict() if lora is not None else gen.full_ema_state()
     else:
         state = gen.full_model_state(model)  # every rank gathers
-    out = Path(config.get_results_dir()) / ("lora" if lora is not None else "pipeline")
+    out = Path(config.get_results_dir()) / (LORA_DIR if lora is not None else PIPELINE_DIR)
     if gen.is_main_process:
         name = export_name(config.exp_name, use_ema)
         prefix = lora.prefix if lora is not None else "transformer"
