@@ -1,7 +1,10 @@
 """The family matrix: every family of the registry x every conditioning it takes x {ddp, fsdp2},
 each one `litegen launch` of the fine-tuning recipe (`launch.entry: litegen.finetune`) on the
 family's tiny pipeline with LoRA and EMA, 2 gloo ranks on the CPU; and each family training its
-whole transformer under both strategies. Per run, by numbers:
+whole transformer under both strategies. A conditioning is the set of condition files the media
+folder gives (`Family.media_conditions`, as companion files; "text": none, so the conditions'
+defaults apply), and the validation prompt gets a file for each condition the pipeline samples
+with. Per run, by numbers:
 
 - it trains: finite losses at every step, the trained weights moved;
 - its validation sample is written, at the size and frame count asked;
@@ -21,7 +24,7 @@ The whole matrix is marked ``family_matrix`` and runs with
 
     uv run --locked pytest -m family_matrix tests/distributed/test_family_matrix.py
 
-(about 30 s per launch on 2 cores). The default suite runs a sample (the cases not marked
+(about 40 CPU-seconds per launch: 25 s on 2 idle cores). The default suite runs a sample (the cases not marked
 ``matrix``): Wan with LoRA under ddp and Flux with LoRA under fsdp2.
 """
 
