@@ -179,11 +179,12 @@ def make_media(root: Path, video: bool, conditions: Mapping[str, str]) -> Path:
     make_media_folder(root, images=0 if video else 4, videos=4 if video else 0, frames=9)
     for media in sorted([*root.glob("*/*.mp4"), *root.glob("*/*.png")]):
         for name, kind in conditions.items():
-            companion = media.with_name(f"{media.stem}.{name}")
             if kind == "video":
-                write_mp4(companion.with_suffix(".mp4"), 48, 32, frames=9)
+                write_mp4(media.with_name(f"{media.stem}.{name}.mp4"), 48, 32, frames=9)
             else:
-                write_png(companion.with_suffix(".png"), 48, 32, color=(250, 120, 0))
+                write_png(media.with_name(f"{media.stem}.{name}.png"), 48, 32, color=(250, 120, 0))
+    given = [p for name in conditions for p in root.glob(f"*/*.{name}.*")]
+    assert len(given) == 4 * len(conditions)  # one companion per file and condition
     return root
 
 
@@ -199,7 +200,8 @@ def validation_files(folder: Path, conditions: Mapping[str, str]) -> list[str]:
         if kind == "video":
             files[name] = write_mp4(folder / f"validation.{name}.mp4", 32, 32, frames=9)
         else:
-            files[name] = write_png(folder / f"validation.{name}.png", 32, 32, color=(0, 200, 90))
+            # 64 pixels: Flux.2's image processor refuses smaller reference images.
+            files[name] = write_png(folder / f"validation.{name}.png", 64, 64, color=(0, 200, 90))
     given = ", ".join(f"{name}: [{path}]" for name, path in files.items())
     return [f"trainer.validation.conditions={{{given}}}"]
 
