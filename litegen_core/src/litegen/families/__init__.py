@@ -99,8 +99,9 @@ def family_for_transformer(transformer_class: str) -> type[Family]:
 
 
 def key_map_for(transformer: Any) -> KeyMap | None:
-    """The original-checkpoint key map of a transformer (its class name, or the model), or
-    None when no family trains that class or its family has no map.
+    """The original-checkpoint key map of a transformer (its class name, or the model, also
+    when wrapped by ``fully_shard``), or None when no family trains that class or its family
+    has no map.
 
     Example:
         >>> key_map_for("FluxTransformer2DModel").lora_names

@@ -126,6 +126,12 @@ class Flux(Family):
     transformer_class = "FluxTransformer2DModel"
     original_keys = ORIGINAL_KEYS
     frozen = ("vae", "text_encoder", "text_encoder_2")
+    tiny_export_limits: ClassVar[dict[str, str]] = {
+        "original_lora": "diffusers 0.42 splits single_blocks.N.linear1 (q, k, v and the MLP "
+        "input fused) at Flux.1's widths only (3072 x 3 + 12288 rows), not the tiny model's",
+        "original_weights": "diffusers 0.42's from_single_file splits single_blocks.N.linear1 "
+        "at Flux.1's widths only (3072 x 3 + 12288 rows), not the tiny model's",
+    }
     latent = LatentRules(
         spatial_compression=8,
         patch_size=2,

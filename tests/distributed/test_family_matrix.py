@@ -1,0 +1,282 @@
+"""The family matrix: every family of the registry x every conditioning it takes x {ddp, fsdp2},
+each one `litegen launch` of the fine-tuning recipe (`launch.entry: litegen.finetune`) on the
+family's tiny pipeline with LoRA and EMA, 2 gloo ranks on the CPU; and each family training its
+whole transformer under both strategies. A conditioning is the set of condition files the media
+folder gives (`Family.media_conditions`, as companion files; "text": none, so the conditions'
+defaults apply), and the validation prompt gets a file for each condition the pipeline samples
+with. Per run, by numbers:
+
+- it trains: finite losses at every step, the trained weights moved;
+- its validation sample is written, at the size and frame count asked;
+- LoRA: the diffusers-format export (`lora/<exp>.ema.lora.safetensors`) and the original-format
+  one (`lora/<exp>.ema.original.lora.safetensors`), each through `pipe.load_lora_weights` on a
+  pipeline of the tiny folder, and the peft folder through `PeftModel.from_pretrained`, give the
+  outputs of the run's EMA adapters loaded by LiteGen's own loader, to fp32 rounding;
+- full fine-tuning: the pipeline export loads with `DiffusionPipeline.from_pretrained` with the
+  EMA weights, and `litegen export --original` writes one file that the transformer class's
+  `from_single_file` reads back with the same weights.
+
+What diffusers cannot read of a family's tiny pipeline is skipped with the reason the family
+declares (`Family.tiny_export_limits`); a family without an original key map skips its
+original-format checks, saying so.
+
+The whole matrix is marked ``family_matrix`` and runs with
+
+    uv run --locked pytest -m family_matrix tests/distributed/test_family_matrix.py
+
+(about 40 CPU-seconds per launch: 25 s on 2 idle cores). The default suite runs a sample (the cases not marked
+``matrix``): Wan with LoRA under ddp and Flux with LoRA under fsdp2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tests.distributed.family_matrix import (
+    Case,
+    Run,
+    assert_same_state,
+    diffusers_pipeline,
+    full_cases,
+    launch,
+    limit,
+    lora_cases,
+    make_media,
+    outputs,
+    trained_lora_transformer,
+)
+from tests.pipelines import tiny_pipeline_folder
+
+pytest.importorskip("diffusers")
+pytest.importorskip("av")
+pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+# The default suite's cases: a video family under ddp, an image family under fsdp2.
+SAMPLE = {Case("wan", "text", "ddp"), Case("flux", "text", "fsdp2")}
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32 rounding
+MOVED = 1e-3  # the trained outputs differ from the base model's by more than this
+
+
+def params(cases: list[Case]) -> list:
+    """Every case marked ``family_matrix``; those outside :data:`SAMPLE` also ``matrix``,
+    which the default suite deselects."""
+    return [
+        pytest.param(
+            case,
+            id=case.id,
+            marks=[pytest.mark.family_matrix] + ([] if case in SAMPLE else [pytest.mark.matrix]),
+        )
+        for case in cases
+    ]
+
+
+@pytest.fixture(scope="session")
+def media_folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Case], Path]:
+    """The media folder of a case: clips or images, and its condition files; one per kind of
+    family and conditions, shared by the cases that train on the same."""
+    made: dict[tuple, Path] = {}
+
+    def folder(case: Case) -> Path:
+        video = case.family_class.latent.is_video
+        conditions = case.condition_kinds(case.given)
+        key = (video, tuple(sorted(conditions.items())))
+        if key not in made:
+            made[key] = make_media(tmp_path_factory.mktemp("media"), video, conditions)
+        return made[key]
+
+    return folder
+
+
+@pytest.fixture(scope="session")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache root for every run: a family's second run reads what its first encoded."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_case(case: Case, media_folders, caches: Path, tmp_path_factory) -> Run:
+    results = tmp_path_factory.mktemp(case.id) / "results"
+    pipeline = tiny_pipeline_folder(case.family)
+    return launch(case, pipeline, media_folders(case), caches, results)
+
+
+@pytest.fixture(scope="module", params=params(lora_cases()))
+def lora_run(request, media_folders, caches: Path, tmp_path_factory) -> Run:
+    return run_case(request.param, media_folders, caches, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=params(full_cases()))
+def full_run(request, media_folders, caches: Path, tmp_path_factory) -> Run:
+    return run_case(request.param, media_folders, caches, tmp_path_factory)
+
+
+# -- training and samples ---------------------------------------------------------------------
+def check_trained_and_sampled(run: Run) -> None:
+    losses = run.losses()
+    assert len(losses) == run.config.max_steps and all(torch.isfinite(torch.tensor(losses)))
+    validation = run.config.trainer.validation
+    grid = (validation.height + 4, validation.width + 4)  # one sample, padded by 2 each side
+    video = run.case.family_class.latent.is_video
+    sample = run.results / "samples" / f"step_{run.config.max_steps}"
+    if video:
+        import av
+
+        with av.open(str(sample / "samples.mp4")) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == validation.frames
+        assert all(f.shape == (*grid, 3) for f in frames)
+    else:
+        from PIL import Image
+
+        with Image.open(sample / "samples.png") as png:
+            assert (png.height, png.width) == grid
+
+
+def test_lora_run_trains_and_samples(lora_run: Run) -> None:
+    check_trained_and_sampled(lora_run)
+    # peft starts every lora_B at zero: each moved, in the model and in its EMA.
+    for suffix in ("lora", "ema.lora"):
+        adapters = load_file(lora_run.results / f"{lora_run.case.exp_name}.{suffix}.safetensors")
+        ups = {k: v for k, v in adapters.items() if ".lora_B." in k}
+        assert ups and all(v.count_nonzero() for v in ups.values()), suffix
+
+
+def test_full_run_trains_and_samples(full_run: Run) -> None:
+    from litegen.pretrained import load_component
+
+    check_trained_and_sampled(full_run)
+    base = load_component(full_run.pipeline, "transformer").state_dict()
+    ema = torch.load(full_run.results / f"{full_run.case.exp_name}.ema.pth", weights_only=True)
+    assert ema.keys() == base.keys()
+    assert any(not torch.equal(ema[k], v) for k, v in base.items())
+
+
+# -- LoRA exports -----------------------------------------------------------------------------
+def trained_and_base(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of the run's EMA adapters (the trainer's own file, LiteGen's loader) and of
+    the base transformer; the adapters must change them."""
+    from litegen.pretrained import load_component
+
+    trained = outputs(
+        run, trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
+    )
+    base = outputs(run, load_component(run.pipeline, "transformer"))
+    assert (trained - base).abs().max() > MOVED
+    return trained, base
+
+
+def test_lora_exports_load_in_diffusers_and_peft_as_trained(lora_run: Run) -> None:
+    from peft import PeftModel
+
+    from litegen.pretrained import load_component
+
+    trained, _ = trained_and_base(lora_run)
+    folder, name = lora_run.results / "lora", f"{lora_run.case.exp_name}.ema"
+    pipe = diffusers_pipeline(lora_run)
+    pipe.load_lora_weights(str(folder / f"{name}.lora.safetensors"))
+    torch.testing.assert_close(outputs(lora_run, pipe.transformer), trained, **TOLERANCE)
+    base = load_component(lora_run.pipeline, "transformer")
+    through_peft = PeftModel.from_pretrained(base, str(folder / f"{name}.peft"))
+    torch.testing.assert_close(outputs(lora_run, through_peft), trained, **TOLERANCE)
+
+
+def test_original_lora_loads_in_diffusers_as_trained(lora_run: Run) -> None:
+    case = lora_run.case
+    path = lora_run.results / "lora" / f"{case.exp_name}.ema.original.lora.safetensors"
+    if case.family_class.original_keys is None:
+        assert not path.exists()
+        pytest.skip(f"{case.family} has no original key map (Family.original_keys)")
+    assert path.is_file()
+    trained, _ = trained_and_base(lora_run)
+    reason = limit(case, "original_lora")
+    if reason:
+        # What can be checked without diffusers: LiteGen's inverse gives the trained adapters.
+        check_original_lora_round_trip(lora_run, path)
+        pytest.skip(f"{case.family}: {reason}")
+    pipe = diffusers_pipeline(lora_run)
+    pipe.load_lora_weights(str(path))
+    torch.testing.assert_close(outputs(lora_run, pipe.transformer), trained, **TOLERANCE)
+
+
+def check_original_lora_round_trip(run: Run, path: Path) -> None:
+    """The original-format file read back by LiteGen's inverse converter adds to each module
+    what the trained adapters add (``alpha / rank * B @ A``; a fused module may read back at
+    the fused rank, its unadapted parts with zero deltas)."""
+    from litegen.families.original_format import lora_from_original, output_rows
+    from litegen.lora import adapter_alpha_state
+
+    model = trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
+    want = deltas(adapter_alpha_state(model, model.state_dict()))
+    rows = output_rows(model)
+    got = deltas(
+        lora_from_original(load_file(path), run.case.family_class.original_keys, rows=rows)
+    )
+    assert want.keys() <= got.keys()
+    assert not [m for m in got.keys() - want.keys() if got[m].count_nonzero()]
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, rtol=1e-5, atol=1e-7, msg=module)
+
+
+def deltas(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each adapted module adds to its weight: ``alpha / rank * lora_B @ lora_A``."""
+    out = {}
+    for key, down in adapters.items():
+        module, sep, _ = key.partition(".lora_A.weight")
+        if sep:
+            up, alpha = adapters[f"{module}.lora_B.weight"], adapters[f"{module}.alpha"]
+            out[module] = float(alpha) / down.shape[0] * (up.double() @ down.double())
+    return out
+
+
+# -- full fine-tuning exports -----------------------------------------------------------------
+def ema_weights(run: Run) -> dict[str, torch.Tensor]:
+    return torch.load(run.results / f"{run.case.exp_name}.ema.pth", weights_only=True)
+
+
+def test_full_pipeline_export_loads_in_diffusers_as_trained(full_run: Run) -> None:
+    from diffusers import DiffusionPipeline
+
+    exported = DiffusionPipeline.from_pretrained(full_run.results / "pipeline")
+    assert type(exported.transformer).__name__ == full_run.case.family_class.transformer_class
+    assert_same_state(exported.transformer.state_dict(), ema_weights(full_run))
+
+
+def test_full_original_export_loads_with_from_single_file(full_run: Run, tmp_path: Path) -> None:
+    import diffusers
+
+    from litegen_cli.app import app
+
+    case = full_run.case
+    family = case.family_class
+    if family.original_keys is None:
+        pytest.skip(f"{case.family} has no original key map (Family.original_keys)")
+    out = tmp_path / "export"
+    step = full_run.results / f"step_{full_run.config.max_steps}"
+    result = CliRunner().invoke(
+        app, ["export", "--from", str(step), "--original", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    files = list(out.glob("*.original.safetensors"))
+    assert [f.name for f in files] == [f"{case.exp_name}.ema.original.safetensors"]
+    reason = limit(case, "original_weights")
+    if reason:
+        # What can be checked without diffusers: LiteGen's inverse gives the trained weights.
+        from litegen.families.original_format import output_rows, weights_from_original
+        from litegen.pretrained import load_component
+
+        rows = output_rows(load_component(full_run.pipeline, "transformer"))
+        back = weights_from_original(load_file(files[0]), family.original_keys, rows=rows)
+        assert_same_state(back, ema_weights(full_run))
+        pytest.skip(f"{case.family}: {reason}")
+    cls = getattr(diffusers, family.transformer_class)
+    loaded = cls.from_single_file(
+        str(files[0]), config=str(full_run.pipeline / "transformer"), local_files_only=True
+    )
+    assert_same_state(loaded.state_dict(), ema_weights(full_run))
