@@ -11,10 +11,9 @@ a CPU in seconds: each family's ``tiny_pipeline`` (:mod:`litegen.families`), so 
 of the registry has one. Fine-tuning recipes and their tests point ``finetune.pipeline`` at
 these folders; on a GPU node point it at the real pipeline instead.
 
-``wan-1.3b`` has Wan2.1-T2V-1.3B-Diffusers' transformer, VAE and scheduler configs with random
-weights, and a one-layer UMT5 of its width (4096) in place of the 5.7B-parameter encoder: the
-shapes of a real-size fine-tuning run, for benchmarks on a machine without the published
-weights (about 6 GB on disk).
+``wan-1.3b``, ``wan-i2v-14b`` and ``flux-dev`` have the published transformers and VAEs with
+random weights and shallow text encoders (:mod:`litegen_zoo.real_size_pipelines`): the shapes of
+a real-size fine-tuning run, for GPU benchmarks on a machine without the published weights.
 """
 
 from __future__ import annotations
@@ -25,54 +24,12 @@ from pathlib import Path
 from typing import Any
 
 
-def wan_1_3b_shapes_pipeline(seed: int = 0) -> Any:
-    """Wan 2.1 T2V 1.3B's transformer, VAE and scheduler (random weights), a shallow UMT5."""
-    import torch
-    from diffusers import (
-        AutoencoderKLWan,
-        UniPCMultistepScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from litegen.families.tiny_text import tiny_tokenizer
-    from litegen.families.wan import Wan
-
-    torch.manual_seed(seed)
-    tokenizer = tiny_tokenizer(512, bos=False)
-    transformer = WanTransformer3DModel(**Wan.reference_config)
-    encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=4096,
-            d_kv=64,
-            d_ff=1024,
-            num_layers=1,
-            num_heads=64,
-            relative_attention_num_buckets=32,
-        )
-    )
-    scheduler = UniPCMultistepScheduler(  # as published: flow sigmas, shift 3
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    )
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=encoder,
-        transformer=transformer,
-        vae=AutoencoderKLWan(),  # its defaults are Wan 2.1's VAE
-        scheduler=scheduler,
-    )
-
-
 def pipelines() -> dict[str, Callable[[int], Any]]:
-    """The pipelines this command writes: each family's tiny one, and ``wan-1.3b``."""
+    """The pipelines this command writes: each family's tiny one, and the real-size ones."""
     from litegen.families import families
+    from litegen_zoo.real_size_pipelines import PIPELINES
 
-    return {
-        **{name: family.tiny_pipeline for name, family in families().items()},
-        "wan-1.3b": wan_1_3b_shapes_pipeline,
-    }
+    return {**{name: family.tiny_pipeline for name, family in families().items()}, **PIPELINES}
 
 
 def make_tiny_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:

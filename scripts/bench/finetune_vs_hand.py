@@ -110,107 +110,17 @@ def bucket(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def make_pipeline(args: argparse.Namespace, folder: Path) -> None:
     """The pipeline folder, transformer stored in bf16 (built on the GPU: seconds, not minutes)."""
-    import torch
+    from litegen_zoo.make_tiny_pipeline import make_tiny_pipeline
+    from litegen_zoo.real_size_pipelines import flux_dev_pipeline, wan_1_3b_pipeline
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
-        from litegen_zoo.make_tiny_pipeline import make_tiny_pipeline
-
         make_tiny_pipeline(args.family, folder)
-        return
-    with torch.device(device):
-        pipe = wan_pipeline() if args.family == "wan" else flux_pipeline(args)
-    pipe.transformer.to(torch.bfloat16)
-    pipe.to("cpu").save_pretrained(str(folder))
-
-
-def wan_pipeline() -> Any:
-    from litegen_zoo.make_tiny_pipeline import wan_1_3b_shapes_pipeline
-
-    return wan_1_3b_shapes_pipeline()
-
-
-def flux_pipeline(args: argparse.Namespace) -> Any:
-    """FLUX.1-dev's transformer width, text lengths, VAE and scheduler; fewer blocks; one-layer
-    text encoders of the real widths (T5 4096, CLIP 768)."""
-    import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from litegen.families.tiny_text import tiny_tokenizer
-
-    torch.manual_seed(0)
-    clip_tokenizer, t5_tokenizer = tiny_tokenizer(77, bos=True), tiny_tokenizer(512, bos=False)
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tokenizer),
-            hidden_size=768,
-            intermediate_size=1024,
-            num_hidden_layers=1,
-            num_attention_heads=12,
-            max_position_embeddings=77,
-            projection_dim=768,
-            pad_token_id=0,
-            eos_token_id=1,
-            bos_token_id=3,
-        )
-    )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer),
-            d_model=4096,
-            d_kv=64,
-            d_ff=1024,
-            num_layers=1,
-            num_heads=64,
-            relative_attention_num_buckets=32,
-        )
-    )
-    transformer = FluxTransformer2DModel(  # black-forest-labs/FLUX.1-dev/transformer, shallower
-        patch_size=1,
-        in_channels=64,
-        num_layers=args.flux_layers,
-        num_single_layers=args.flux_single_layers,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=[16, 56, 56],
-    )
-    vae = AutoencoderKL(  # FLUX.1-dev/vae
-        block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2,
-        latent_channels=16,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        base_shift=0.5,
-        max_shift=1.15,
-    )
-    return FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=clip,
-        tokenizer=clip_tokenizer,
-        text_encoder_2=t5,
-        tokenizer_2=t5_tokenizer,
-        transformer=transformer,
-    )
+    elif args.family == "wan":
+        wan_1_3b_pipeline().save_pretrained(str(folder))
+    else:
+        flux_dev_pipeline(
+            layers=args.flux_layers, single_layers=args.flux_single_layers
+        ).save_pretrained(str(folder))
 
 
 def make_media(args: argparse.Namespace, folder: Path, shape: tuple[int, int, int]) -> None:
