@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from litegen.checkpoint.step_dirs import find_latest
-from litegen_cli.run_folder import live_holder
+from litegen_cli.run_lock import live_holder
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_launch import finish, litegen, read_metrics
 from tests.distributed.test_resume import STEPS, assert_same_weights, run_entry_in_ranks

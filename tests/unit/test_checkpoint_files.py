@@ -138,7 +138,7 @@ def test_the_run_folder_names_import_without_torch():
         import sys
         import litegen.checkpoint.layout, litegen.checkpoint.formats, litegen.checkpoint.step_dirs
         import litegen.checkpoint.atomic
-        import litegen_cli.run_folder, litegen_cli.resume
+        import litegen_cli.run_folder, litegen_cli.run_lock, litegen_cli.resume
         loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
         assert not loaded, loaded[:5]
         """

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from litegen_cli import launcher
 from litegen_cli.app import app
 from litegen_cli.recipe import load_recipe
-from litegen_cli.run_folder import LOCK_NAME, RunLock, live_holder
+from litegen_cli.run_lock import LOCK_NAME, RunLock, live_holder
 
 ENTRY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_entry.py"
 runner = CliRunner()
