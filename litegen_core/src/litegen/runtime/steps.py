@@ -248,6 +248,7 @@ def run_steps(ctx: StepContext, steps: tuple[Step, ...] = MODEL_STEPS) -> StepCo
     """
     for step in steps:
         if step.wanted(ctx):
+            log.debug("%s: prepare step %s", ctx.name, step.name)
             step.run(ctx)
     return ctx
 
