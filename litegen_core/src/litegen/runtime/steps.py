@@ -7,9 +7,13 @@ is the design (docs/architecture.md repeats this list and explains it):
 * FP8 storage of a LoRA base's frozen weights comes after the cast (its layers dequantise to
   the cast dtype), and FP8 training after it (FP8-stored layers are no longer ``nn.Linear``);
 * the EMA template is copied before anything patches the blocks (it only holds weights);
-* the sequence-parallel hooks, block swap's forwards, then checkpointing and offload patch
-  the blocks before compile sees them, so recompute and swapping run inside each compiled
-  block; compile comes before the strategy's wrap, whose hooks stay outside compiled regions;
+* the sequence-parallel split and gather are hooks at the block boundaries, outside what the
+  later steps patch; the plan names the user's module paths, before a wrapper renames them;
+* block swap's forwards go on the blocks before checkpointing wraps them, so a recomputed block
+  fetches its weights again (litegen/memory/block_swap.py);
+* checkpointing and offload patch a block's ``forward`` before compile sees it, so recompute
+  runs inside the compiled graph; compile comes before the strategy's wrap, whose hooks (FSDP's
+  all-gathers) stay outside compiled regions;
 * block swap moves the swapped weights to host memory once the wrap has put the model on the
   device.
 
