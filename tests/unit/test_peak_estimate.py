@@ -12,8 +12,9 @@ import yaml
 from typer.testing import CliRunner
 
 import litegen
-from litegen.memory.peak_estimate import estimate_peak, prepare_for_estimate
+from litegen.memory.peak_estimate import estimate_peak
 from litegen.memory.saved_bytes import AttentionAsFlash, count_saved_bytes
+from litegen.runtime.steps import prepare_for_estimate
 from litegen.utils.config import MainConfig
 from litegen_cli.app import app
 

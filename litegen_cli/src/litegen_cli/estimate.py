@@ -4,7 +4,7 @@ and the sequence layouts (``sp_size x cp_size``) the trained model can take.
 The entry's ``build(config)`` runs under ``torch.device("meta")`` with ``runtime.device`` set to
 ``meta`` (an entry honours it by building on meta and reading no weights), so even a model of
 billions of parameters costs no memory and seconds. The trained model gets the changes
-``prepare`` makes to its stored weights (:func:`litegen.memory.peak_estimate.prepare_for_estimate`),
+``prepare`` makes to its stored weights (:func:`litegen.runtime.steps.prepare_for_estimate`),
 one micro-batch of the entry's dataset moves to meta, and the entry's ``train_step`` drives the
 forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts; with
 ``sp_size * cp_size`` above 1 that forward is one rank's share of the sequence
@@ -136,7 +136,8 @@ def _build_on_meta(recipe: Recipe) -> _OnMeta:
 def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
     import torch
 
-    from litegen.memory.peak_estimate import estimate_peak, prepare_for_estimate
+    from litegen.memory.peak_estimate import estimate_peak
+    from litegen.runtime.steps import prepare_for_estimate
     from litegen.trainer.hooks import keyword_filter
 
     config = recipe.config

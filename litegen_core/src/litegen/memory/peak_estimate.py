@@ -1,8 +1,8 @@
 """The peak device memory of one training step of one model, estimated without running it.
 
 The model is built on the meta device, gets the changes ``prepare`` makes to what it stores
-(:func:`prepare_for_estimate`: LoRA adapters, ``cast_model``, ``fp8_base``, with the runtime's
-own functions), and one micro-batch's forward runs on meta under ``saved_tensors_hooks``
+(:func:`litegen.runtime.steps.prepare_for_estimate`: LoRA adapters, then the steps of
+``prepare``'s list that change the stored weights, ``cast_model`` and ``fp8_base``), and one micro-batch's forward runs on meta under ``saved_tensors_hooks``
 (:mod:`litegen.memory.saved_bytes`): shapes and dtypes only, no memory, no compute. Everything
 is in bytes, for one rank holding the whole model.
 
@@ -136,38 +136,6 @@ def optimizer_bytes(
     return total
 
 
-def prepare_for_estimate(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, optimization: Any
-) -> nn.Module:
-    """What ``prepare`` changes in the stored weights, in its order, with its functions:
-    LoRA adapters (and the optimizer rebound to them), ``cast_model``, ``fp8_base``.
-
-    ``optimization`` is an ``OptimizationConfig``. Works on meta modules.
-
-    Example:
-        >>> from litegen.config import OptimizationConfig
-        >>> net = nn.Linear(4, 4)
-        >>> opt = OptimizationConfig(precision={"cast_model": "bf16"})
-        >>> prepare_for_estimate(net, None, opt).weight.dtype
-        torch.bfloat16
-    """
-    from litegen.fp8_weights import store_frozen_linears_in_fp8
-    from litegen.lora import apply_lora, has_adapters, train_adapters
-    from litegen.precision import cast_model
-
-    lora = optimization.lora
-    if lora is not None:
-        apply_lora(model, lora)
-        if optimizer is not None:
-            train_adapters(optimizer, model)
-    precision = optimization.precision
-    if precision.cast_model:
-        cast_model(model, precision.cast_model, precision.cast_exclude_paths)
-    if lora is not None and lora.fp8_base is not None and has_adapters(model):
-        store_frozen_linears_in_fp8(model, lora.fp8_base)
-    return model
-
-
 def block_costs(saved: SavedBytes, policy: str) -> dict[str, BlockCost]:
     """Each block's cost for the planner: checkpointed, it keeps ``input_bytes`` (its inputs,
     plus the op outputs the policy saves); left out, ``activation_bytes`` more.
@@ -224,7 +192,7 @@ def estimate_peak(
     master_weights: bool | None = None,
 ) -> PeakEstimate:
     """Estimate one training step's peak for ``model`` (prepared with
-    :func:`prepare_for_estimate`), running ``forward()`` once to count what it saves.
+    :func:`litegen.runtime.steps.prepare_for_estimate`), running ``forward()`` once to count what it saves.
 
     ``optimization`` is an ``OptimizationConfig``; ``master_weights`` whether the strategy keeps
     FP32 masters (default: ``optimizer.fp32_master_weights`` as the strategy table says);
@@ -294,6 +262,5 @@ __all__ = [
     "gradient_bytes",
     "optimizer_bytes",
     "phase_peaks",
-    "prepare_for_estimate",
     "resident_weight_bytes",
 ]

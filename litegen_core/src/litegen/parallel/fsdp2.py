@@ -23,6 +23,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimizer
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
+from litegen.parallel.plan import ParallelPlan
 from litegen.parallel.wrap import in_post_order, last_unit, plan_units
 from litegen.precision import fsdp2_mixed_policy
 
@@ -61,8 +63,20 @@ class Fsdp2Strategy(Strategy):
     # compare with the wrapped layout.
     unwrap_single_rank: bool = True
 
+    def __init__(self, plan: ParallelPlan, optimization: Any) -> None:
+        super().__init__(plan, optimization)
+        # id(model) -> (model, its units); the model is kept so that its id stays its own.
+        self._units: dict[int, tuple[nn.Module, list[str]]] = {}
+
     def mesh(self) -> DeviceMesh:
         return dp_mesh(self.plan)
+
+    def planned_units(self, model: nn.Module) -> list[str]:
+        """``plan_units`` for ``model``, planned once: at :meth:`checkpoint_candidates`, before
+        the memory savers and compile patch its blocks, and reused by :meth:`wrap_model`."""
+        if id(model) not in self._units:
+            self._units[id(model)] = (model, plan_units(model, self.optimization.parallel.fsdp2))
+        return list(self._units[id(model)][1])
 
     def trains_unwrapped(self) -> bool:
         """One rank, and nothing but sharding would come from the wrap (module docstring)."""
@@ -81,7 +95,7 @@ class Fsdp2Strategy(Strategy):
         if self.trains_unwrapped():
             log.info("%s on one rank: training unwrapped (nothing to shard or reduce)", self.name)
             return model.to(self.plan.device)
-        planned = plan_units(model, cfg)
+        planned = self.planned_units(model)
         last = last_unit(model, planned)
         # Submodules the model calls from outside their unit get units of their own.
         outside = called_from_outside(model, planned, cfg.exclude_paths)
@@ -153,7 +167,7 @@ class Fsdp2Strategy(Strategy):
         # of nested units, the outer one saves more and contains the inner one's work.
         units = [
             u
-            for u in plan_units(model, self.optimization.parallel.fsdp2)
+            for u in self.planned_units(model)
             if not isinstance(modules[u], nn.ModuleList | nn.ModuleDict)
         ]
         outer = [u for u in units if not any(u.startswith(o + ".") for o in units)]

@@ -58,12 +58,10 @@ class LiteGen(CheckpointAPI):
         distributed.set_tf32(config.optimization.precision.allow_tf32)
         # Same seed on every rank: models built before prepare are identical everywhere.
         distributed.seed_everything(config.global_seed)
-        self.plan = ParallelPlan.build(
-            config.optimization.parallel.strategy,
-            config.optimization.parallel,
-            self.env,
-            self.device,
-        )
+        # Plans by (strategy, sp_size, cp_size), built once each: the job's here, a profile's
+        # that names another strategy or layout at its first prepare.
+        self._plans: dict[tuple[str, int, int], ParallelPlan] = {}
+        self.plan = self._plan_for(config.optimization.parallel)
         batch = global_batch_problems(
             global_batch_size=config.global_batch_size,
             dp_size=self.plan.dp_size,
@@ -107,9 +105,7 @@ class LiteGen(CheckpointAPI):
         """
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
         optimization = self.config.optimization_for(profile)
-        parallel_plan = ParallelPlan.build(
-            optimization.parallel.strategy, optimization.parallel, self.env, self.device
-        )
+        parallel_plan = self._plan_for(optimization.parallel)
         layout = (parallel_plan.sp_size, parallel_plan.cp_size)
         if layout != (self.plan.sp_size, self.plan.cp_size):
             raise ValueError(
@@ -173,6 +169,15 @@ class LiteGen(CheckpointAPI):
         if self.config.resume_from and any(m.trainable for m in prepared):
             self._resume(self.config.resume_from)
         return results[0] if len(results) == 1 else results
+
+    def _plan_for(self, parallel: Any) -> ParallelPlan:
+        """The plan of a ``parallel`` section (the job's, or a profile's), built once."""
+        key = (parallel.strategy, parallel.sp_size, parallel.cp_size)
+        if key not in self._plans:
+            self._plans[key] = ParallelPlan.build(
+                parallel.strategy, parallel, self.env, self.device
+            )
+        return self._plans[key]
 
     def _adapt(self, raw_models: list[nn.Module], trained: list[bool], optimization) -> None:
         """``optimization.lora``: adapters on the job's first trainable model (litegen.lora).
