@@ -30,8 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.trainer.readback",
         "litegen.flops",
     ),
-    # The LiteGen object: initialize, prepare, and its checkpoint half (a mixin of it).
-    ("litegen.runtime", "litegen.checkpoint.api"),
+    # The LiteGen object: initialize, prepare, and the checkpointer it holds.
+    ("litegen.runtime",),
     ("litegen.experimental",),  # the lab, opened by prepare alone
     (
         "litegen.parallel",
@@ -283,5 +283,5 @@ def test_the_rules_see_a_cycle_and_an_upward_import(tmp_path):
     ]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    assert layer_of("litegen.checkpoint.api") < layer_of("litegen.parallel.base")
+    assert layer_of("litegen.runtime.checkpointer") < layer_of("litegen.parallel.base")
     assert layer_of("litegen.parallel.base") < layer_of("litegen.checkpoint.files")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.config.strategies import global_batch_problems
 from litegen.data import prepare_data
@@ -24,6 +24,7 @@ from litegen.ema import EMA
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.runtime import distributed
+from litegen.runtime.checkpointer import Checkpointer
 from litegen.runtime.model_pipeline import ModelPipeline
 from litegen.runtime.prepare import (
     PreparedModel,
@@ -32,12 +33,14 @@ from litegen.runtime.prepare import (
     owner_of,
     trained_models,
 )
+from litegen.runtime.prepared_models import PreparedModels
 
 log = logging.getLogger("litegen")
 
 
-class LiteGen(CheckpointAPI):
-    """One training job's runtime: device, process group, prepared objects, checkpoints.
+class LiteGen:
+    """One training job's runtime: device, process group, prepared objects, and the
+    checkpointer it holds (``gen.checkpointer``; its file methods are LiteGen's too).
 
     Example::
 
@@ -71,12 +74,15 @@ class LiteGen(CheckpointAPI):
         )
         if batch:
             raise ValueError(f"{batch[0]}.")
-        self.models: list[PreparedModel] = []
-        self.ema: EMA | None = None
-        self._pipeline = ModelPipeline(self.device, self.is_main_process)
         # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
         lora = config.optimization.lora
-        self.lora_prefix = lora.prefix if lora is not None else "transformer"
+        self.prepared = PreparedModels(
+            lora_prefix=lora.prefix if lora is not None else "transformer"
+        )
+        self.checkpointer = Checkpointer(
+            config, self.prepared, is_main_process=self.is_main_process
+        )
+        self._pipeline = ModelPipeline(self.device, self.is_main_process)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -90,6 +96,28 @@ class LiteGen(CheckpointAPI):
     @property
     def is_main_process(self) -> bool:
         return self.env.rank == 0
+
+    @property
+    def models(self) -> list[PreparedModel]:
+        """The prepared models, in preparation order."""
+        return self.prepared.models
+
+    @property
+    def ema(self) -> EMA | None:
+        """The EMA of the first trainable model (``ema.enable``), once prepared."""
+        return self.prepared.ema
+
+    @ema.setter
+    def ema(self, ema: EMA | None) -> None:
+        self.prepared.ema = ema
+
+    @property
+    def lora_prefix(self) -> str:
+        return self.prepared.lora_prefix
+
+    @lora_prefix.setter
+    def lora_prefix(self, prefix: str) -> None:
+        self.prepared.lora_prefix = prefix
 
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, *objects: Any, profile: str | None = None) -> Any:
@@ -200,7 +228,7 @@ class LiteGen(CheckpointAPI):
         )
         entry.ema_template = None
         if ema_cfg.resume_from:
-            self._load_ema(entry, ema_cfg.resume_from)
+            self.checkpointer.load_ema(entry, ema_cfg.resume_from)
 
     def _prepare_data(self, data: Any) -> Any:
         """A dataset or DataLoader becomes the job's loader (litegen/data/loader.py's table)."""
@@ -208,17 +236,118 @@ class LiteGen(CheckpointAPI):
             data, config=self.config, dp_rank=self.plan.dp_rank, dp_size=self.plan.dp_size
         )
 
+    # -- checkpoints: the checkpointer's file methods, under LiteGen's names ------------------
+    def save_model(
+        self,
+        output_folder: str | None = None,
+        filename: str | None = None,
+        step: int | None = None,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """:meth:`Checkpointer.save_model`: one full file (LoRA: the adapters). Every rank.
+
+        Example::
+
+            gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
+        """
+        return self.checkpointer.save_model(output_folder, filename, step, model)
+
+    def save_optimizer(
+        self,
+        output_folder: str | None = None,
+        filename: str | None = None,
+        step: int | None = None,
+        state_format: str = "auto",
+        model: nn.Module | None = None,
+    ) -> Path:
+        """:meth:`Checkpointer.save_optimizer`. Every rank."""
+        return self.checkpointer.save_optimizer(output_folder, filename, step, state_format, model)
+
+    def save_ema(
+        self, output_folder: str | None = None, filename: str | None = None, step: int | None = None
+    ) -> Path:
+        """:meth:`Checkpointer.save_ema`. Every rank."""
+        return self.checkpointer.save_ema(output_folder, filename, step)
+
+    def save_lora_peft(
+        self,
+        output_folder: str | Path | None = None,
+        *,
+        ema: bool = False,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """:meth:`Checkpointer.save_lora_peft`: the adapters as a peft folder. Every rank."""
+        return self.checkpointer.save_lora_peft(output_folder, ema=ema, model=model)
+
+    def save_diffusers(
+        self,
+        output_folder: str | Path | None = None,
+        ema: bool | None = None,
+        model: nn.Module | None = None,
+    ) -> Path:
+        """:meth:`Checkpointer.save_diffusers`: a ``from_pretrained`` folder. Every rank."""
+        return self.checkpointer.save_diffusers(output_folder, ema, model)
+
+    def save_model_state(
+        self,
+        path: str | Path,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> Path:
+        """:meth:`Checkpointer.save_model_state`: a DCP folder. Every rank."""
+        return self.checkpointer.save_model_state(path, model, optimizer, ema)
+
+    def load_model_state(
+        self,
+        path: str | Path,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> None:
+        """:meth:`Checkpointer.load_model_state`, resharding to this job's layout."""
+        self.checkpointer.load_model_state(path, model, optimizer, ema)
+
+    def dcp_state(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        ema: bool | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`Checkpointer.dcp_state`: what DCP saves and loads in place."""
+        return self.checkpointer.dcp_state(model, optimizer, ema)
+
+    def load(self, model: nn.Module, path: str | Path) -> None:
+        """:meth:`Checkpointer.load`: full weights (or adapters) into a prepared model."""
+        self.checkpointer.load(model, path)
+
+    def full_model_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`Checkpointer.full_model_state`. Every rank."""
+        return self.checkpointer.full_model_state(model)
+
+    def full_ema_state(self) -> dict[str, torch.Tensor]:
+        """:meth:`Checkpointer.full_ema_state`. Every rank."""
+        return self.checkpointer.full_ema_state()
+
+    def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`Checkpointer.full_sampling_state`: the EMA's weights, else the model's.
+
+        Example::
+
+            sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
+        """
+        return self.checkpointer.full_sampling_state(model)
+
+    # -- the checkpointer's loads that prepare calls -----------------------------------------
+    def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:
+        self.checkpointer.load_init(model, path)
+
+    def _resume(self, model_path: str) -> None:
+        self.checkpointer.load_weights_and_optimizer(model_path)
+
     # -- lookups ------------------------------------------------------------------------------
     def _entry(self, model: nn.Module | None = None) -> PreparedModel:
-        if model is None:
-            trainable = [m for m in self.models if m.trainable]
-            if not trainable:
-                raise ValueError("no trainable model has been prepared yet; call prepare first.")
-            return trainable[0]
-        for entry in self.models:
-            if entry.module is model:
-                return entry
-        raise ValueError("this model was not returned by gen.prepare; pass the prepared model.")
+        return self.prepared.entry(model)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for sampling, custom methods).
