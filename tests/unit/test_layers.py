@@ -23,13 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
     # The loop around the user's step, and the fine-tuning road that is an entry of it.
     ("litegen.trainer", "litegen.entry", "litegen.export", "litegen.finetune"),
-    (  # the trainer's instruments, under the loop though some live in its folder
-        "litegen.trainer.metrics",
-        "litegen.loggers",
-        "litegen.trainer.loss_guard",
-        "litegen.trainer.readback",
-        "litegen.flops",
-    ),
+    ("litegen.instruments", "litegen.loggers", "litegen.flops"),  # the loop's instruments
     # The LiteGen object: initialize, prepare, and the checkpointer it holds.
     ("litegen.runtime",),
     ("litegen.experimental",),  # the lab, opened by prepare alone

@@ -2,7 +2,7 @@
 
 ``trainer.on_nan: skip`` must decide before the optimizer step, so it syncs once per step.
 ``abort`` (the default) does not need to: step N's flag goes to the host behind the step's
-kernels (:class:`litegen.trainer.readback.Readback`) and is read once it has arrived, at a
+kernels (:class:`litegen.instruments.readback.Readback`) and is read once it has arrived, at a
 later step (at most two steps later) or at the end. The error still names step N. Across ranks
 the flag is all-reduced; a single rank has nothing to reduce.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from litegen.trainer.readback import Readback
+from litegen.instruments.readback import Readback
 
 
 def nonfinite_flag(loss_sum: torch.Tensor) -> torch.Tensor:

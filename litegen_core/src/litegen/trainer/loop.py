@@ -25,6 +25,9 @@ from litegen.checkpoint.save_checks import last_good_note
 from litegen.checkpoint.step_dirs import read_config_text
 from litegen.data import to_device
 from litegen.flops import StepThroughput
+from litegen.instruments.loss_guard import LossGuard
+from litegen.instruments.metrics import MetricsLogger
+from litegen.instruments.readback import Readback
 from litegen.loggers import check_loggers
 from litegen.memory.stats import peak_memory_since_last_call
 from litegen.runtime.litegen import LiteGen
@@ -37,10 +40,7 @@ from litegen.trainer.checkpoints import (
 )
 from litegen.trainer.hints import cast_model_hint
 from litegen.trainer.hooks import TrainingHooks, keyword_filter
-from litegen.trainer.loss_guard import LossGuard
-from litegen.trainer.metrics import MetricsLogger
 from litegen.trainer.profiling import StepProfiler
-from litegen.trainer.readback import Readback
 
 log = logging.getLogger("litegen")
 
@@ -300,7 +300,7 @@ class Trainer:
         self.rng.restore()
         with self._metrics_logger() as metrics:
             # Logged values reach the host behind the step's kernels and are written once they
-            # have arrived (trainer/readback.py): a logged step makes the host wait for nothing.
+            # have arrived (instruments/readback.py): a logged step makes the host wait for nothing.
             pending = Readback(self.gen.device)
             window = (pending.start_time, self.step)  # the time and step of the last record
             try:
@@ -382,7 +382,7 @@ class Trainer:
         """Write the queued records that have arrived; returns the last one's (time, step).
 
         Throughput is over the steps since the previous record, timed by when the device
-        finished each logged step (no host sync: trainer/readback.py).
+        finished each logged step (no host sync: instruments/readback.py).
         """
         for (step, lr, host), device_values, when in pending.ready(wait=wait):
             mean_loss, *grad_norm = device_values
