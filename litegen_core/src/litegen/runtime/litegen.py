@@ -8,9 +8,11 @@ gen.save_model(step=1000)
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -34,8 +36,21 @@ from litegen.runtime.prepare import (
     trained_models,
 )
 from litegen.runtime.prepared_models import PreparedModels
+from litegen.runtime.weight_files import WeightFiles
 
 log = logging.getLogger("litegen")
+
+
+def _forward(holder: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """A LiteGen method that calls ``method`` on ``self.<holder>``, with its signature and
+    docstring: LiteGen's public checkpoint methods are the checkpointer's."""
+    held = attrgetter(holder)
+
+    @functools.wraps(method)
+    def call(self: LiteGen, *args: Any, **kwargs: Any) -> Any:
+        return method(held(self), *args, **kwargs)
+
+    return call
 
 
 class LiteGen:
@@ -236,107 +251,19 @@ class LiteGen:
             data, config=self.config, dp_rank=self.plan.dp_rank, dp_size=self.plan.dp_size
         )
 
-    # -- checkpoints: the checkpointer's file methods, under LiteGen's names ------------------
-    def save_model(
-        self,
-        output_folder: str | None = None,
-        filename: str | None = None,
-        step: int | None = None,
-        model: nn.Module | None = None,
-    ) -> Path:
-        """:meth:`Checkpointer.save_model`: one full file (LoRA: the adapters). Every rank.
-
-        Example::
-
-            gen.save_model(step=1000)  # <checkpoint_dir>/<exp_name>_step1000.pth
-        """
-        return self.checkpointer.save_model(output_folder, filename, step, model)
-
-    def save_optimizer(
-        self,
-        output_folder: str | None = None,
-        filename: str | None = None,
-        step: int | None = None,
-        state_format: str = "auto",
-        model: nn.Module | None = None,
-    ) -> Path:
-        """:meth:`Checkpointer.save_optimizer`. Every rank."""
-        return self.checkpointer.save_optimizer(output_folder, filename, step, state_format, model)
-
-    def save_ema(
-        self, output_folder: str | None = None, filename: str | None = None, step: int | None = None
-    ) -> Path:
-        """:meth:`Checkpointer.save_ema`. Every rank."""
-        return self.checkpointer.save_ema(output_folder, filename, step)
-
-    def save_lora_peft(
-        self,
-        output_folder: str | Path | None = None,
-        *,
-        ema: bool = False,
-        model: nn.Module | None = None,
-    ) -> Path:
-        """:meth:`Checkpointer.save_lora_peft`: the adapters as a peft folder. Every rank."""
-        return self.checkpointer.save_lora_peft(output_folder, ema=ema, model=model)
-
-    def save_diffusers(
-        self,
-        output_folder: str | Path | None = None,
-        ema: bool | None = None,
-        model: nn.Module | None = None,
-    ) -> Path:
-        """:meth:`Checkpointer.save_diffusers`: a ``from_pretrained`` folder. Every rank."""
-        return self.checkpointer.save_diffusers(output_folder, ema, model)
-
-    def save_model_state(
-        self,
-        path: str | Path,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        ema: bool | None = None,
-    ) -> Path:
-        """:meth:`Checkpointer.save_model_state`: a DCP folder. Every rank."""
-        return self.checkpointer.save_model_state(path, model, optimizer, ema)
-
-    def load_model_state(
-        self,
-        path: str | Path,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        ema: bool | None = None,
-    ) -> None:
-        """:meth:`Checkpointer.load_model_state`, resharding to this job's layout."""
-        self.checkpointer.load_model_state(path, model, optimizer, ema)
-
-    def dcp_state(
-        self,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        ema: bool | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`Checkpointer.dcp_state`: what DCP saves and loads in place."""
-        return self.checkpointer.dcp_state(model, optimizer, ema)
-
-    def load(self, model: nn.Module, path: str | Path) -> None:
-        """:meth:`Checkpointer.load`: full weights (or adapters) into a prepared model."""
-        self.checkpointer.load(model, path)
-
-    def full_model_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`Checkpointer.full_model_state`. Every rank."""
-        return self.checkpointer.full_model_state(model)
-
-    def full_ema_state(self) -> dict[str, torch.Tensor]:
-        """:meth:`Checkpointer.full_ema_state`. Every rank."""
-        return self.checkpointer.full_ema_state()
-
-    def full_sampling_state(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`Checkpointer.full_sampling_state`: the EMA's weights, else the model's.
-
-        Example::
-
-            sampler_model.load_state_dict(gen.full_sampling_state())  # every rank calls it
-        """
-        return self.checkpointer.full_sampling_state(model)
+    # -- checkpoints: the checkpointer's methods under LiteGen's names (same signatures, docs) ---
+    save_model = _forward("checkpointer.files", WeightFiles.save_model)
+    save_optimizer = _forward("checkpointer.files", WeightFiles.save_optimizer)
+    save_ema = _forward("checkpointer.files", WeightFiles.save_ema)
+    save_lora_peft = _forward("checkpointer.files", WeightFiles.save_lora_peft)
+    save_diffusers = _forward("checkpointer.files", WeightFiles.save_diffusers)
+    full_model_state = _forward("checkpointer.files", WeightFiles.full_model_state)
+    full_ema_state = _forward("checkpointer.files", WeightFiles.full_ema_state)
+    full_sampling_state = _forward("checkpointer.files", WeightFiles.full_sampling_state)
+    save_model_state = _forward("checkpointer", Checkpointer.save_model_state)
+    load_model_state = _forward("checkpointer", Checkpointer.load_model_state)
+    dcp_state = _forward("checkpointer", Checkpointer.dcp_state)
+    load = _forward("checkpointer", Checkpointer.load)
 
     # -- the checkpointer's loads that prepare calls -----------------------------------------
     def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:

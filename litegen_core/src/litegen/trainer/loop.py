@@ -334,7 +334,7 @@ class Trainer:
                 raise
         self.run_checkpoints.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
-            self.checkpointer.save_weights()
+            self.checkpointer.files.save_weights()
         if cfg.export_diffusers:
             self.gen.save_diffusers(ema=cfg.export_ema and self.gen.ema is not None)
         return losses
