@@ -23,15 +23,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
     # The loop around the user's step, and the fine-tuning road that is an entry of it.
     ("litegen.trainer", "litegen.entry", "litegen.export", "litegen.finetune"),
-    (  # the trainer's instruments, under the loop though some live in its folder
-        "litegen.trainer.metrics",
-        "litegen.loggers",
-        "litegen.trainer.loss_guard",
-        "litegen.trainer.readback",
-        "litegen.flops",
-    ),
-    # The LiteGen object: initialize, prepare, and its checkpoint half (a mixin of it).
-    ("litegen.runtime", "litegen.checkpoint.api"),
+    ("litegen.instruments", "litegen.loggers", "litegen.flops"),  # the loop's instruments
+    # The LiteGen object: initialize, prepare, and the checkpointer it holds.
+    ("litegen.runtime",),
     ("litegen.experimental",),  # the lab, opened by prepare alone
     (
         "litegen.parallel",
@@ -283,5 +277,5 @@ def test_the_rules_see_a_cycle_and_an_upward_import(tmp_path):
     ]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    assert layer_of("litegen.checkpoint.api") < layer_of("litegen.parallel.base")
+    assert layer_of("litegen.runtime.checkpointer") < layer_of("litegen.parallel.base")
     assert layer_of("litegen.parallel.base") < layer_of("litegen.checkpoint.files")

@@ -16,9 +16,9 @@ from torch import nn
 
 import litegen
 from litegen import loggers
+from litegen.instruments.metrics import MetricsLogger
 from litegen.trainer import Trainer
 from litegen.trainer import loop as trainer_loop
-from litegen.trainer.metrics import MetricsLogger
 from litegen.trainer.profiling import category
 from litegen.utils.config import MainConfig
 

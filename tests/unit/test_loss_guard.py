@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from litegen.trainer.loss_guard import LossGuard
+from litegen.instruments.loss_guard import LossGuard
 
 
 def test_a_nan_is_reported_one_step_later_naming_its_step(group):

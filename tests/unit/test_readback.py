@@ -2,7 +2,7 @@
 
 import torch
 
-from litegen.trainer.readback import Readback
+from litegen.instruments.readback import Readback
 
 
 def test_values_come_back_in_order_with_their_tags_and_times():

@@ -273,3 +273,43 @@ def test_every_file_of_a_run_follows_the_umask(tmp_path):
     assert any(p.name == COMPLETE for p in files) and any(p.name == LATEST for p in files)
     private = [str(p.relative_to(tmp_path)) for p in files if not p.stat().st_mode & 0o040]
     assert private == []
+
+
+def test_the_checkpointer_holds_every_stateful_part_and_the_rank_file_keeps_its_keys(tmp_path):
+    first = run(tmp_path, 2, checkpoint_every=2)
+    trainer = first["trainer"]
+    assert trainer.checkpointer is trainer.gen.checkpointer  # one object, held by both
+    assert list(trainer.checkpointer.states()) == [
+        "model_0",
+        "trainer",
+        "schedulers",
+        "rng",
+        "data",
+    ]
+    saved = torch.load(tmp_path / "ckpt" / "step_2" / "trainer" / "rank_0.pt", weights_only=True)
+    assert list(saved) == ["step", "schedulers", "rng", "loader_generator", "data"]
+    assert saved["step"] == 2 and len(saved["schedulers"]) == 1
+
+
+def test_a_checkpoint_with_other_schedulers_is_refused_naming_it(tmp_path):
+    run(tmp_path, 2, checkpoint_every=2)
+    config = MainConfig.from_dict(
+        {
+            "runtime": {"device": "cpu"},
+            "results_dir": str(tmp_path / "results"),
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "global_batch_size": 4,
+            "max_steps": 4,
+            "ema": {"enable": True, "decay": 0.9},
+            "trainer": {"save_final": False, "resume_run": str(tmp_path / "ckpt")},
+        }
+    )
+    gen = litegen.initialize(config)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, optimizer, loader = gen.prepare(model, optimizer, pairs())
+    trainer = Trainer(gen, train_step, {"model": model, "optimizer": optimizer, "loader": loader})
+    with pytest.raises(
+        ValueError, match=r"run checkpoint .*step_2 holds 1 LR scheduler\(s\), this run has 0"
+    ):
+        trainer.fit()

@@ -194,3 +194,18 @@ def check_model_state(
 def _preview(items: list[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" ... (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def check_adapter_shapes(
+    expected: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], path: str | Path
+) -> None:
+    """``adapters`` (an adapter file keyed like the model) at the shapes of the model's own
+    adapters; a ValueError naming the file and each differing shape otherwise (a file saved
+    with another ``optimization.lora.rank``)."""
+    try:
+        check_model_state({k: v for k, v in expected.items() if k in adapters}, adapters, path)
+    except ValueError as err:
+        raise ValueError(
+            f"{err} An adapter file of another optimization.lora.rank (or target_modules) "
+            "cannot be loaded; set the rank it was saved with, or start the adapters afresh."
+        ) from None

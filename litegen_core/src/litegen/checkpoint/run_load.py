@@ -3,7 +3,7 @@ DCP's metadata, before anything is loaded in place; then this rank's trainer sta
 
 Example::
 
-    load_run_checkpoint("results/dit/step_500", gen.trainables)["step"]
+    load_run_checkpoint("results/dit/step_500", gen.checkpointer.trainables)["step"]
 """
 
 from __future__ import annotations

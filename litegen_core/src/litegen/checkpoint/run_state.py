@@ -15,7 +15,7 @@ import contextlib
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,20 +38,28 @@ from litegen.checkpoint.save_checks import check_finite, write_failure
 from litegen.checkpoint.step_dirs import find_latest, list_checkpoints
 from litegen.checkpoint.trainable import Trainable
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
 
 class RunCheckpointer:
     """Writes and reads the run checkpoints of one prepared job. Call every method on every rank.
 
-    ``trainables`` returns what to save (``LiteGen.trainables``); it is called at each save and
-    load, so models prepared later are included.
+    A checkpoint holds two kinds of stateful parts. ``trainables`` returns the sharded ones
+    (each trainable model with its optimizer and EMA, saved with DCP in ``model_<i>/``); it is
+    called at each save and load, so models prepared later are included. ``parts`` are this
+    rank's own (trainer state, schedulers, RNG, data position): the entries of every part's
+    ``state_dict()`` together make ``trainer/rank_<r>.pt``, and each part's
+    ``load_state_dict`` receives that whole dict back.
 
     Once ``wait`` returns, ``step_1000`` below is complete and ``latest`` (the next save waits
     too).
 
     Example::
 
-        ckpt = RunCheckpointer(gen.trainables, "results/dit", keep_last=3)
-        ckpt.save(1000, {"step": 1000}, {"config.yaml": config.to_yaml()})
+        ckpt = RunCheckpointer(gen.checkpointer.trainables, "results/dit", keep_last=3,
+                               parts={"trainer": train_state})
+        ckpt.save(1000, {"config.yaml": config.to_yaml()})
         ckpt.wait()
     """
 
@@ -60,10 +68,12 @@ class RunCheckpointer:
         trainables: Callable[[], list[Trainable]],
         root: str | Path,
         *,
+        parts: Mapping[str, Stateful] | None = None,
         keep_last: int | None = None,
         async_save: bool = False,
     ) -> None:
         self.trainables = trainables
+        self.parts = dict(parts or {})
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
@@ -78,16 +88,18 @@ class RunCheckpointer:
             # gloo group keeps the two from interleaving on one communicator.
             self._group = dist.new_group(backend="gloo")
 
-    def save(self, step: int, rank_state: dict[str, Any], extra_files: Mapping[str, str]) -> None:
+    def save(self, step: int, extra_files: Mapping[str, str]) -> None:
         """Start writing ``step_<step>``; it is complete (and ``latest``) once :meth:`wait` ran.
 
-        ``rank_state`` is this rank's trainer state; ``extra_files`` (name -> text) are written
-        by rank 0. A synchronous save returns once every rank's files are written; the manifest,
+        The parts' states are taken now; ``extra_files`` (name -> text) are written by rank 0. A synchronous save returns once every rank's files are written; the manifest,
         the marker and ``latest`` follow in rank 0's background thread. A state that is not
         finite raises FloatingPointError before anything is written; a failed write (a full
         disk) an OSError that names the folder, its free space and :meth:`last_good`.
         """
         self.wait()  # the previous asynchronous save must be complete before the next starts
+        rank_state = {
+            key: value for part in self.parts.values() for key, value in part.state_dict().items()
+        }
         targets = self.trainables()
         states = [target.dcp_state() for target in targets]
         check_finite(states, step, self.last_good())  # before a byte is written
@@ -229,14 +241,24 @@ class RunCheckpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Validate ``path``, load weights/optimizer/EMA in place, return this rank's state
-        (:func:`litegen.checkpoint.run_load.load_run_checkpoint`).
+        """Validate ``path``, load weights/optimizer/EMA in place
+        (:func:`litegen.checkpoint.run_load.load_run_checkpoint`), then every part from this
+        rank's state, which is returned.
+
+        A part's ValueError (a checkpoint that does not fit this run) comes back after
+        ``path``: "run checkpoint PATH <the part's message>".
 
         Example::
 
             state = ckpt.load("results/dit/step_1000")
         """
-        return load_run_checkpoint(path, self.trainables)
+        state = load_run_checkpoint(path, self.trainables)
+        for part in self.parts.values():
+            try:
+                part.load_state_dict(state)
+            except ValueError as err:
+                raise ValueError(f"run checkpoint {path} {err}") from None
+        return state
 
 
 def _publish(tmp: Path, final: Path) -> None:

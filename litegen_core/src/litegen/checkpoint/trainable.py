@@ -37,6 +37,13 @@ class Trainable:
             state["ema"] = self.ema.dcp_state()
         return state
 
+    # torch.distributed.checkpoint.stateful.Stateful: a trainable model is one stateful part.
+    def state_dict(self) -> dict[str, Any]:
+        return self.dcp_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_dcp_state(state)
+
     def load_dcp_state(self, state: dict[str, Any]) -> None:
         """Apply a state :meth:`dcp_state` returned and ``dcp.load`` filled."""
         self.strategy.load_dcp_state(self.module, self.optimizer, state)

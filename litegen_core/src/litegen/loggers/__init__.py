@@ -1,7 +1,7 @@
 """Where metrics go besides ``metrics.jsonl``: TensorBoard and Weights & Biases (``trainer.loggers``).
 
 ``metrics.jsonl`` is always written and is the source of truth
-(:class:`litegen.trainer.metrics.MetricsLogger`); each logger named in ``trainer.loggers`` gets
+(:class:`litegen.instruments.metrics.MetricsLogger`); each logger named in ``trainer.loggers`` gets
 the same scalars, and the sample images and videos (PNG, GIF) the ``sample`` hook produced.
 Rank 0 alone opens them.
 

@@ -1,9 +1,12 @@
-"""Device meshes: over every rank for the FSDP2 family, and ``(dp, cp, sp)`` for sequence and
+"""The job's device meshes, made here and nowhere else: over every rank for the FSDP2 family
+and the sharded EMA, ``(replicate, shard)`` for HSDP, and ``(dp, cp, sp)`` for sequence and
 context parallelism.
 
-The strategies spread the model and average gradients over every rank, sequence-parallel ranks
-included (``litegen.parallel.sequence.comm`` explains why that gives the right gradient), so
-their meshes span the whole job.
+Each mesh is made once per process group and shared by every caller (the strategies, the EMA,
+the sequence-parallel hooks): a 2-D mesh makes process groups, and asking again must not make
+more. The strategies spread the model and average gradients over every rank, sequence-parallel
+ranks included (``litegen.parallel.sequence.comm`` explains why that gives the right gradient),
+so their meshes span the whole job.
 """
 
 from __future__ import annotations
@@ -15,6 +18,28 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litegen.parallel.plan import ParallelPlan
 
+# The meshes made so far, by (device type, shape, dimension names), and the default process
+# group they belong to: a new group (a test's next job in one process) starts afresh.
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+_MESHES_GROUP: list[object] = [None]
+
+
+def job_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The job's mesh of this shape, made on first use and shared afterwards. Every rank.
+
+    Example::
+
+        job_mesh("cuda", (2, 4), ("replicate", "shard")) is hsdp_mesh(plan)  # 2 nodes x 4
+    """
+    world = dist.group.WORLD
+    if _MESHES_GROUP[0] is not world:
+        _MESHES.clear()
+        _MESHES_GROUP[0] = world
+    key = (device_type, tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, key[1], mesh_dim_names=key[2])
+    return _MESHES[key]
+
 
 def dp_mesh(plan: ParallelPlan) -> DeviceMesh:
     """1-D mesh over every rank: fsdp2 shards each unit across all of them.
@@ -23,7 +48,7 @@ def dp_mesh(plan: ParallelPlan) -> DeviceMesh:
 
         dp_mesh(plan).shape  # 8 ranks
     """
-    return init_device_mesh(plan.device.type, (plan.world_size,), mesh_dim_names=("shard",))
+    return job_mesh(plan.device.type, (plan.world_size,), ("shard",))
 
 
 def sp_mesh(plan: ParallelPlan) -> DeviceMesh:
@@ -35,9 +60,7 @@ def sp_mesh(plan: ParallelPlan) -> DeviceMesh:
 
         sp_mesh(plan).get_group("sp")  # ranks 4..7 for rank 5 of 8 ranks at sp_size 4
     """
-    return init_device_mesh(
-        plan.device.type, (plan.dp_size, plan.seq_size), mesh_dim_names=("dp", "sp")
-    )
+    return job_mesh(plan.device.type, (plan.dp_size, plan.seq_size), ("dp", "sp"))
 
 
 @dataclass(frozen=True)
@@ -66,10 +89,8 @@ def sequence_groups(plan: ParallelPlan) -> SequenceGroups:
     whole = sp_mesh(plan).get_group("sp")
     if plan.cp_size == 1:
         return SequenceGroups(whole, whole)
-    mesh = init_device_mesh(
-        plan.device.type,
-        (plan.dp_size, plan.cp_size, plan.sp_size),
-        mesh_dim_names=("dp", "cp", "sp"),
+    mesh = job_mesh(
+        plan.device.type, (plan.dp_size, plan.cp_size, plan.sp_size), ("dp", "cp", "sp")
     )
     return SequenceGroups(whole, mesh.get_group("sp"), mesh.get_group("cp"))
 
@@ -86,8 +107,4 @@ def hsdp_mesh(plan: ParallelPlan) -> DeviceMesh:
         hsdp_mesh(plan).mesh_dim_names  # 2 nodes x 4 GPUs
     """
     assert plan.nnodes * plan.local_world_size == plan.world_size, "plan checks the job shape"
-    return init_device_mesh(
-        plan.device.type,
-        (plan.nnodes, plan.local_world_size),
-        mesh_dim_names=("replicate", "shard"),
-    )
+    return job_mesh(plan.device.type, (plan.nnodes, plan.local_world_size), ("replicate", "shard"))

@@ -8,15 +8,17 @@ gen.save_model(step=1000)
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from operator import attrgetter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from litegen.checkpoint.api import CheckpointAPI
 from litegen.config import MainConfig
 from litegen.config.strategies import global_batch_problems
 from litegen.data import prepare_data
@@ -24,6 +26,7 @@ from litegen.ema import EMA
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.parallel import ParallelPlan, build_strategy
 from litegen.runtime import distributed
+from litegen.runtime.checkpointer import Checkpointer
 from litegen.runtime.model_pipeline import ModelPipeline
 from litegen.runtime.prepare import (
     PreparedModel,
@@ -32,12 +35,27 @@ from litegen.runtime.prepare import (
     owner_of,
     trained_models,
 )
+from litegen.runtime.prepared_models import PreparedModels
+from litegen.runtime.weight_files import WeightFiles
 
 log = logging.getLogger("litegen")
 
 
-class LiteGen(CheckpointAPI):
-    """One training job's runtime: device, process group, prepared objects, checkpoints.
+def _forward(holder: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """A LiteGen method that calls ``method`` on ``self.<holder>``, with its signature and
+    docstring: LiteGen's public checkpoint methods are the checkpointer's."""
+    held = attrgetter(holder)
+
+    @functools.wraps(method)
+    def call(self: LiteGen, *args: Any, **kwargs: Any) -> Any:
+        return method(held(self), *args, **kwargs)
+
+    return call
+
+
+class LiteGen:
+    """One training job's runtime: device, process group, prepared objects, and the
+    checkpointer it holds (``gen.checkpointer``; its file methods are LiteGen's too).
 
     Example::
 
@@ -69,12 +87,15 @@ class LiteGen(CheckpointAPI):
         )
         if batch:
             raise ValueError(f"{batch[0]}.")
-        self.models: list[PreparedModel] = []
-        self.ema: EMA | None = None
-        self._pipeline = ModelPipeline(self.device, self.is_main_process)
         # Key prefix of adapter files: optimization.lora.prefix of the profile that applied it.
         lora = config.optimization.lora
-        self.lora_prefix = lora.prefix if lora is not None else "transformer"
+        self.prepared = PreparedModels(
+            lora_prefix=lora.prefix if lora is not None else "transformer"
+        )
+        self.checkpointer = Checkpointer(
+            config, self.prepared, is_main_process=self.is_main_process
+        )
+        self._pipeline = ModelPipeline(self.device, self.is_main_process)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -88,6 +109,28 @@ class LiteGen(CheckpointAPI):
     @property
     def is_main_process(self) -> bool:
         return self.env.rank == 0
+
+    @property
+    def models(self) -> list[PreparedModel]:
+        """The prepared models, in preparation order."""
+        return self.prepared.models
+
+    @property
+    def ema(self) -> EMA | None:
+        """The EMA of the first trainable model (``ema.enable``), once prepared."""
+        return self.prepared.ema
+
+    @ema.setter
+    def ema(self, ema: EMA | None) -> None:
+        self.prepared.ema = ema
+
+    @property
+    def lora_prefix(self) -> str:
+        return self.prepared.lora_prefix
+
+    @lora_prefix.setter
+    def lora_prefix(self, prefix: str) -> None:
+        self.prepared.lora_prefix = prefix
 
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, *objects: Any, profile: str | None = None) -> Any:
@@ -205,7 +248,7 @@ class LiteGen(CheckpointAPI):
         )
         entry.ema_template = None
         if ema_cfg.resume_from:
-            self._load_ema(entry, ema_cfg.resume_from)
+            self.checkpointer.load_ema(entry, ema_cfg.resume_from)
 
     def _prepare_data(self, data: Any) -> Any:
         """A dataset or DataLoader becomes the job's loader (litegen/data/loader.py's table)."""
@@ -213,17 +256,30 @@ class LiteGen(CheckpointAPI):
             data, config=self.config, dp_rank=self.plan.dp_rank, dp_size=self.plan.dp_size
         )
 
+    # -- checkpoints: the checkpointer's methods under LiteGen's names (same signatures, docs) ---
+    save_model = _forward("checkpointer.files", WeightFiles.save_model)
+    save_optimizer = _forward("checkpointer.files", WeightFiles.save_optimizer)
+    save_ema = _forward("checkpointer.files", WeightFiles.save_ema)
+    save_lora_peft = _forward("checkpointer.files", WeightFiles.save_lora_peft)
+    save_diffusers = _forward("checkpointer.files", WeightFiles.save_diffusers)
+    full_model_state = _forward("checkpointer.files", WeightFiles.full_model_state)
+    full_ema_state = _forward("checkpointer.files", WeightFiles.full_ema_state)
+    full_sampling_state = _forward("checkpointer.files", WeightFiles.full_sampling_state)
+    save_model_state = _forward("checkpointer", Checkpointer.save_model_state)
+    load_model_state = _forward("checkpointer", Checkpointer.load_model_state)
+    dcp_state = _forward("checkpointer", Checkpointer.dcp_state)
+    load = _forward("checkpointer", Checkpointer.load)
+
+    # -- the checkpointer's loads that prepare calls -----------------------------------------
+    def _load_into(self, model: nn.Module, path: str, *, what: str) -> None:
+        self.checkpointer.load_init(model, path)
+
+    def _resume(self, model_path: str) -> None:
+        self.checkpointer.load_weights_and_optimizer(model_path)
+
     # -- lookups ------------------------------------------------------------------------------
     def _entry(self, model: nn.Module | None = None) -> PreparedModel:
-        if model is None:
-            trainable = [m for m in self.models if m.trainable]
-            if not trainable:
-                raise ValueError("no trainable model has been prepared yet; call prepare first.")
-            return trainable[0]
-        for entry in self.models:
-            if entry.module is model:
-                return entry
-        raise ValueError("this model was not returned by gen.prepare; pass the prepared model.")
+        return self.prepared.entry(model)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for sampling, custom methods).

@@ -17,22 +17,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.utils.data import DataLoader
 
-from litegen.checkpoint.run_state import RunCheckpointer
+from litegen.checkpoint.layout import CONFIG, LAUNCH
 from litegen.checkpoint.save_checks import last_good_note
+from litegen.checkpoint.step_dirs import read_config_text
 from litegen.data import to_device
 from litegen.flops import StepThroughput
+from litegen.instruments.loss_guard import LossGuard
+from litegen.instruments.metrics import MetricsLogger
+from litegen.instruments.readback import Readback
 from litegen.loggers import check_loggers
 from litegen.memory.stats import peak_memory_since_last_call
 from litegen.runtime.litegen import LiteGen
-from litegen.trainer.checkpoints import RunCheckpoints
+from litegen.trainer.checkpoints import (
+    DataPosition,
+    RngState,
+    Schedulers,
+    TrainState,
+    apply_changed_optimizer_settings,
+)
 from litegen.trainer.hints import cast_model_hint
 from litegen.trainer.hooks import TrainingHooks, keyword_filter
-from litegen.trainer.loss_guard import LossGuard
-from litegen.trainer.metrics import MetricsLogger
 from litegen.trainer.profiling import StepProfiler
-from litegen.trainer.readback import Readback
 
 log = logging.getLogger("litegen")
 
@@ -48,8 +56,12 @@ class StepResult:
     finite: bool
 
 
-class Trainer(RunCheckpoints):
+class Trainer:
     """Backward, accumulation, clipping, optimizer and scheduler steps, EMA, logs, checkpoints.
+
+    Run checkpoints go through the runtime's checkpointer (``gen.checkpointer``), which the
+    trainer holds too and gives its stateful parts: trainer state, schedulers, RNG, data
+    position (litegen/trainer/checkpoints.py).
 
     ``sample_fn`` and ``validate_fn`` are the optional hooks of :mod:`litegen.trainer.hooks`,
     called every ``trainer.sample_every`` and ``trainer.validate_every`` steps.
@@ -87,7 +99,7 @@ class Trainer(RunCheckpoints):
             v for v in parts.values() if isinstance(v, torch.optim.lr_scheduler.LRScheduler)
         ]
         self.models = [m.module for m in gen.models if m.trainable]
-        self.step = getattr(self.loader.batch_sampler, "start_step", 0)
+        self.state = TrainState(getattr(self.loader.batch_sampler, "start_step", 0))
         # What train_step receives, chosen once: only ``step`` changes from call to call.
         accepted = keyword_filter(train_step)
         self._step_kwargs = accepted({**parts, "gen": gen, "config": self.config})
@@ -97,20 +109,24 @@ class Trainer(RunCheckpoints):
         # shared no-op takes its place.
         no_op = isinstance(gen.attention_context(), contextlib.nullcontext)
         self._attention = contextlib.nullcontext if no_op else gen.attention_context
-        # An abort names the last good checkpoint (the checkpointer is made just below).
-        self.loss_guard = LossGuard(
-            gen.device, note=lambda: last_good_note(self.checkpointer.last_good())
-        )
-        # Run checkpoints (checkpoint/run_state.py); run_info becomes launch.yaml in each one.
+        # Run checkpoints: the runtime's checkpointer over the models and these parts (in the
+        # order of trainer/rank_<r>.pt's keys); run_info becomes launch.yaml in each one.
         self.run_info = dict(run_info or {})
-        self.checkpointer = RunCheckpointer(
-            gen.trainables,
-            self.config.get_checkpoint_dir(),
-            keep_last=self.config.trainer.keep_last,
-            async_save=self.config.trainer.async_checkpoint,
+        self.checkpointer = gen.checkpointer
+        self.rng = RngState(self.loader, gen.device)
+        self.run_checkpoints = self.checkpointer.start_run(
+            {
+                "trainer": self.state,
+                "schedulers": Schedulers(self.schedulers),
+                "rng": self.rng,
+                "data": DataPosition(self.loader, lambda: self.step),
+            }
+        )
+        # An abort names the last good checkpoint.
+        self.loss_guard = LossGuard(
+            gen.device, note=lambda: last_good_note(self.run_checkpoints.last_good())
         )
         self._resume_checked = False
-        self._restore_after_iter: dict[str, Any] | None = None
         # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first training step.
         self.throughput = StepThroughput(
             gen.unwrap(self.models[0]) if self.models else None,
@@ -131,6 +147,48 @@ class Trainer(RunCheckpoints):
             if profile is not None
             else None
         )
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (the trainer state a run checkpoint holds)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.state.step = step
+
+    # -- run checkpoints ----------------------------------------------------------------------
+    def resume_source(self) -> Path | None:
+        """The run checkpoint :meth:`fit` continues from (or None): ``trainer.resume_run``,
+        ``auto_resume`` or a torchrun restart (:meth:`Checkpointer.resume_source`)."""
+        self._resume_checked = True
+        return self.checkpointer.resume_source()
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a run checkpoint: weights, optimizer, EMA, step, data position, RNG.
+
+        Example::
+
+            trainer.resume("results/dit/step_1000"); trainer.fit()
+        """
+        self._resume_checked = True
+        path = self.checkpointer.load_run(path)
+        saved = read_config_text(path)
+        apply_changed_optimizer_settings(saved, self.config, self.optimizers, self.schedulers)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def save_run_checkpoint(self) -> None:
+        """Write ``<checkpoint_dir>/step_<step>/`` (layout: checkpoint/layout.py). Every rank.
+
+        The deferred loss checks of the steps up to this one come first: no checkpoint of a
+        step whose loss was not finite is ever written.
+        """
+        self.loss_guard.raise_if_nonfinite()
+        # Absolute paths: `litegen resume` from any folder continues in the same folders.
+        files = {CONFIG: self.config.with_absolute_paths().to_yaml()}
+        if self.run_info:
+            files[LAUNCH] = yaml.safe_dump(self.run_info, sort_keys=False)
+        self.run_checkpoints.save(self.step, files)
 
     # -- one optimizer step -------------------------------------------------------------------
     def _micro_step(self, batch: Any, *, last: bool, accum: int) -> torch.Tensor:
@@ -237,14 +295,12 @@ class Trainer(RunCheckpoints):
             model.train()
         losses: list[float] = []
         batches = iter(self.loader)
-        if self._restore_after_iter is not None:
-            # Creating the iterator draws a worker seed from the RNG; the saved states are
-            # those after that draw in the original run, so they go back only now.
-            self._restore_rng(self._restore_after_iter)
-            self._restore_after_iter = None
+        # Creating the iterator draws a worker seed from the RNG; a resumed run's saved states
+        # are those after that draw in the original run, so they go back only now.
+        self.rng.restore()
         with self._metrics_logger() as metrics:
             # Logged values reach the host behind the step's kernels and are written once they
-            # have arrived (trainer/readback.py): a logged step makes the host wait for nothing.
+            # have arrived (instruments/readback.py): a logged step makes the host wait for nothing.
             pending = Readback(self.gen.device)
             window = (pending.start_time, self.step)  # the time and step of the last record
             try:
@@ -274,11 +330,11 @@ class Trainer(RunCheckpoints):
                 with contextlib.suppress(Exception):
                     self._write_records(pending, metrics, window, losses, wait=True)
                 with contextlib.suppress(Exception):
-                    self.checkpointer.finish_after_failure()
+                    self.run_checkpoints.finish_after_failure()
                 raise
-        self.checkpointer.wait()  # an asynchronous save is complete before the run ends
+        self.run_checkpoints.wait()  # an asynchronous save is complete before the run ends
         if cfg.save_final:
-            self.save_checkpoint(step=None)
+            self.checkpointer.files.save_weights()
         if cfg.export_diffusers:
             self.gen.save_diffusers(ema=cfg.export_ema and self.gen.ema is not None)
         return losses
@@ -326,7 +382,7 @@ class Trainer(RunCheckpoints):
         """Write the queued records that have arrived; returns the last one's (time, step).
 
         Throughput is over the steps since the previous record, timed by when the device
-        finished each logged step (no host sync: trainer/readback.py).
+        finished each logged step (no host sync: instruments/readback.py).
         """
         for (step, lr, host), device_values, when in pending.ready(wait=wait):
             mean_loss, *grad_norm = device_values
