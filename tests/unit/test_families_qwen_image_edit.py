@@ -2,7 +2,9 @@
 pipeline's prompt encoding read with the reference image (and differs from the caption alone),
 the empty caption is cached per sample with its reference and caption dropout swaps it in, the
 reference latents are the pipeline's, and the tiny pipeline folder loads in diffusers with its
-processor left out, the family's image processor taking the folder's settings."""
+processor left out, the family's image processor taking the folder's settings. The Plus
+pipeline's variant reads each sample's caption with its own reference, as its pipeline reads
+one prompt with one image."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from litegen.families.qwen_image_edit import (
     reference_images,
     with_processor,
 )
+from litegen.families.qwen_image_edit_plus import QwenImageEditPlus
 from tests.pipelines import tiny_pipeline_folder
 
 diffusers = pytest.importorskip("diffusers")
@@ -66,6 +69,31 @@ def test_the_text_is_the_pipelines_read_with_the_reference(pipe, pixels):
     torch.testing.assert_close(dropped[:, : empty.shape[1]], empty)
     # Another image, another text: the text encoder reads the reference.
     assert not torch.allclose(alone["prompt_embeds"], ours["prompt_embeds"])
+
+
+def test_plus_reads_each_caption_with_its_own_reference(pixels):
+    from diffusers import QwenImageEditPlusPipeline
+
+    assert family_for_pipeline("QwenImageEditPlusPipeline") is QwenImageEditPlus
+    plus = QwenImageEditPlusPipeline.from_pretrained(
+        tiny_pipeline_folder("qwen_image_edit_plus"), processor=None
+    )
+    family = QwenImageEditPlus(plus.scheduler.config)
+    with torch.no_grad():
+        ours = family.encode_text_with(plus, CAPTIONS, {"reference": pixels})
+        images = reference_images(plus, pixels)
+        with with_processor(plus):
+            theirs = [
+                plus.encode_prompt([caption], image=[image], device="cpu")[0]
+                for caption, image in zip(CAPTIONS, images, strict=True)
+            ]
+            empty = plus.encode_prompt([""], image=[images[1]], device="cpu")[0]
+    for row, embeds in enumerate(theirs):
+        length = embeds.shape[1]
+        assert ours["prompt_embeds_mask"][row].sum() == length
+        torch.testing.assert_close(ours["prompt_embeds"][row, :length], embeds[0])
+    dropped = ours[empty_caption_key("prompt_embeds")][1]
+    torch.testing.assert_close(dropped[: empty.shape[1]], empty[0])
 
 
 def test_caption_dropout_swaps_in_each_samples_own_empty_caption(pipe, pixels):

@@ -247,7 +247,7 @@ class QwenImage(Family):
     def predict(self, model, noisy, sigmas, batch):
         import torch
 
-        from litegen.families.flux import pack, unpack
+        from litegen.families.packing import pack, unpack
 
         b, _, h, w = noisy.shape
         dtype = model_dtype(model)

@@ -156,10 +156,9 @@ class QwenImageEdit(QwenImage):
 
     def encode_text_with(self, pipe, captions, conditions):
         images = reference_images(pipe, conditions["reference"])
-        blank = [""] * len(captions)
         with with_processor(pipe):
-            embeds, mask = pipe.encode_prompt(captions, image=images, device=pipe.device)
-            empty, empty_mask = pipe.encode_prompt(blank, image=images, device=pipe.device)
+            embeds, mask = self.read_text(pipe, captions, images)
+            empty, empty_mask = self.read_text(pipe, [""] * len(captions), images)
         # The empty caption is the image's tokens and the template's tail: room for a caption
         # of the tokenizer's length beyond it.
         length = empty.shape[1] + max_length(pipe.tokenizer)
@@ -167,6 +166,11 @@ class QwenImageEdit(QwenImage):
         return text_conditions(embeds, mask, length) | {
             empty_caption_key(name): value for name, value in dropped.items()
         }
+
+    def read_text(self, pipe: Any, prompts: list[str], images: list[Any]) -> tuple:
+        """The pipeline's prompt embeddings and mask (None when all ones) of each prompt read
+        with its image, one image per prompt."""
+        return pipe.encode_prompt(prompts, image=images, device=pipe.device)
 
     def encode_condition(self, pipe, name, pixels, clip, micro_batch_size):
         if name != "reference":
