@@ -105,10 +105,10 @@ class Family:
     ``conditions`` names the tensors ``predict`` reads from the batch beside ``latents``, and
     how each is encoded (for the docs). ``media_conditions`` declares the files beyond the
     caption a sample brings (:class:`MediaCondition`, by name): the fine-tuning road reads each
-    at the clip's bucket, hands it to :meth:`encode_condition` with the clip, caches what that
-    returns with the latents, and the DataLoader brings those tensors to ``predict`` in
-    ``batch``. Validation samples get the same conditions, one file per prompt, in
-    :meth:`sample`'s ``conditions``.
+    at the clip's bucket, hands it to :meth:`encode_condition` with the clip (and all of them
+    to :meth:`encode_text_with` with the captions), caches what those return with the
+    latents, and the DataLoader brings those tensors to ``predict`` in ``batch``. Validation
+    samples get the same conditions, one file per prompt, in :meth:`sample`'s ``conditions``.
     """
 
     name: ClassVar[str]  # the short name: wan, flux
