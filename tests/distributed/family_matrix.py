@@ -271,7 +271,8 @@ def trained_lora_transformer(run: Run, file: str) -> torch.nn.Module:
 def diffusers_pipeline(run: Run) -> Any:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(run.pipeline)
+    unloaded = {name: None for name in run.case.family_class.unloaded_components}
+    pipe = DiffusionPipeline.from_pretrained(run.pipeline, **unloaded)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -57,13 +57,14 @@ def media_condition_tensors(family, latent_shape, generator) -> dict[str, torch.
     size = [side * rules.spatial_compression for side in latent_shape[-2:]]
     frames = [(latent_shape[2] - 1) * rules.temporal_compression + 1] if rules.is_video else []
     clip = torch.rand(latent_shape[0], 3, *frames, *size, generator=generator) * 2 - 1
-    with torch.no_grad():
-        out = family({}).encode_text(pipe, ["a fox"] * latent_shape[0])
-    for name, condition in family.media_conditions.items():
-        pixels = clip[:, :, 0] if rules.is_video else clip
-        if condition.kind == "video":
-            pixels = clip
-        with torch.no_grad():
+    first = clip[:, :, 0] if rules.is_video else clip
+    given = {
+        name: clip if condition.kind == "video" else first
+        for name, condition in family.media_conditions.items()
+    }
+    with torch.no_grad():  # Qwen-Image-Edit's text encoder reads the reference too
+        out = family({}).encode_text_with(pipe, ["a fox"] * latent_shape[0], given)
+        for name, pixels in given.items():
             out |= family({}).encode_condition(pipe, name, pixels, clip, micro_batch_size=2)
     return out
 
@@ -129,6 +130,35 @@ def test_flux_forward_packs_as_the_pipeline_and_unpacks_its_prediction():
         )[0]
     # The pipeline's unpack (it takes pixel sizes: 8x the latents').
     theirs = FluxPipeline._unpack_latents(tokens, 32, 32, 8)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_qwen_image_edit_forward_is_the_pipelines_call_cut_to_the_target():
+    """The edit pipeline's transformer call: the noisy target's packed tokens then the
+    reference's, one img_shapes entry each, the text with its mask; the target's part unpacked."""
+    from diffusers import QwenImageEditPipeline as P
+
+    from litegen.families.qwen_image_edit import REFERENCE, QwenImageEdit
+
+    model, batch = tiny_transformer(QwenImageEdit), tiny_batch(QwenImageEdit)
+    batch[REFERENCE] = torch.randn(2, 4, 6, 4, generator=torch.Generator().manual_seed(3))
+    text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
+    mask[1, -2:] = 0  # a shorter second caption
+    latents, sigmas = batch["latents"], torch.tensor([0.25, 0.75])
+    with torch.no_grad():
+        ours = QwenImageEdit().predict(model, latents, sigmas, batch)
+        target = P._pack_latents(latents, 2, 4, 4, 4)
+        reference = P._pack_latents(batch[REFERENCE], 2, 4, 6, 4)
+        tokens = model(
+            hidden_states=torch.cat([target, reference], dim=1),
+            timestep=sigmas,
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, 2, 2), (1, 3, 2)]] * 2,
+            return_dict=False,
+        )[0]
+    # The pipeline's unpack (pixel sizes: 8x the latents'), its frame axis dropped.
+    theirs = P._unpack_latents(tokens[:, : target.shape[1]], 32, 32, 8)[:, :, 0]
     torch.testing.assert_close(ours, theirs)
 
 

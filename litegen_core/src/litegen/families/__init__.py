@@ -26,7 +26,9 @@ from litegen.families.key_map import KeyMap
 
 # This package's modules that declare no family: not imported by the registry (so the
 # registry stays torch-free whatever they import).
-NOT_FAMILIES = frozenset({"base", "tiny_text", "tiny_qwen", "key_map", "original_format"})
+NOT_FAMILIES = frozenset(
+    {"base", "packing", "tiny_text", "tiny_qwen", "tiny_flux2", "key_map", "original_format"}
+)
 
 
 @functools.cache

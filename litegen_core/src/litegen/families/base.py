@@ -105,10 +105,10 @@ class Family:
     ``conditions`` names the tensors ``predict`` reads from the batch beside ``latents``, and
     how each is encoded (for the docs). ``media_conditions`` declares the files beyond the
     caption a sample brings (:class:`MediaCondition`, by name): the fine-tuning road reads each
-    at the clip's bucket, hands it to :meth:`encode_condition` with the clip, caches what that
-    returns with the latents, and the DataLoader brings those tensors to ``predict`` in
-    ``batch``. Validation samples get the same conditions, one file per prompt, in
-    :meth:`sample`'s ``conditions``.
+    at the clip's bucket, hands it to :meth:`encode_condition` with the clip (and all of them
+    to :meth:`encode_text_with` with the captions), caches what those return with the
+    latents, and the DataLoader brings those tensors to ``predict`` in ``batch``. Validation
+    samples get the same conditions, one file per prompt, in :meth:`sample`'s ``conditions``.
     """
 
     name: ClassVar[str]  # the short name: wan, flux
@@ -130,6 +130,10 @@ class Family:
     # (from_single_file of <name>.original.safetensors). The family matrix skips those checks
     # with the reason (tests/distributed/test_family_matrix.py).
     tiny_export_limits: ClassVar[dict[str, str]] = {}
+    # Pipeline components that LiteGen does not load from a folder (``from_pretrained`` is
+    # given None for each): the family supplies them where it needs them (Qwen-Image-Edit's
+    # processor, which transformers builds only with torchvision).
+    unloaded_components: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, scheduler_config: dict[str, Any] | None = None) -> None:
         self.scheduler_config = dict(scheduler_config or {})
@@ -182,6 +186,17 @@ class Family:
     def encode_text(self, pipe: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """The text conditions the transformer takes, one row per caption."""
         raise NotImplementedError
+
+    def encode_text_with(
+        self, pipe: Any, captions: list[str], conditions: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The text conditions of ``captions``, whose samples bring the media conditions'
+        ``conditions`` (pixels by name, as :meth:`encode_condition` gets them): the captions
+        alone (:meth:`encode_text`) unless the family's text encoder reads a condition too
+        (Qwen-Image-Edit's reads the reference image). Such a family also returns the empty
+        caption's text with the same conditions, each under :func:`empty_caption_key` of its
+        name: caption dropout swaps in those rows rather than the one empty caption's."""
+        return self.encode_text(pipe, captions)
 
     def encode_condition(
         self, pipe: Any, name: str, pixels: torch.Tensor, clip: torch.Tensor, micro_batch_size: int
@@ -252,6 +267,17 @@ class Family:
         raise NotImplementedError
 
 
+def empty_caption_key(name: str) -> str:
+    """The batch name of text tensor ``name`` of the empty caption with a sample's own
+    conditions (:meth:`Family.encode_text_with`).
+
+    Example:
+        >>> empty_caption_key("prompt_embeds")
+        'empty_caption.prompt_embeds'
+    """
+    return f"empty_caption.{name}"
+
+
 def max_length(tokenizer: Any) -> int:
     """The tokenizer's length, at most 512 (a tokenizer without one says 10^30)."""
     return min(int(tokenizer.model_max_length), 512)
@@ -284,6 +310,7 @@ __all__ = [
     "Family",
     "LatentRules",
     "MediaCondition",
+    "empty_caption_key",
     "max_length",
     "model_config",
     "model_dtype",

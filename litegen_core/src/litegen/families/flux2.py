@@ -6,7 +6,7 @@ statistics, ``(z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)``; t
 the patchified latents flattened. LiteGen caches the normalised latents un-patchified, as
 ``(B, 32, H/8, W/8)`` (each pixel of the latent normalised by the statistics of its channel and
 place in its 2x2 patch): the flow-matching loss is the same in either layout, and the cache
-keeps the VAE's shape. The training forward patchifies and flattens (:func:`flux.pack`, whose
+keeps the VAE's shape. The training forward patchifies and flattens (:func:`packing.pack`, whose
 channel order is the pipeline's), and undoes it on the prediction.
 
 Conditions: the text encoder's hidden states at three of its layers (10, 20 and 30 of FLUX.2-dev's
@@ -142,85 +142,6 @@ def normalise(latents: torch.Tensor, vae: Any) -> torch.Tensor:
     return ((patches - mean.to(latents)) / std.to(latents)).view(b, c, h, w)
 
 
-# The chat template of the tiny tokenizer: each message's text after its role, one a line (the
-# pipeline's messages hold a list of typed parts, as a multimodal processor takes them).
-# The chat template of the tiny tokenizers: each message's text after its role, one a line.
-# Flux2Pipeline's messages hold a list of typed parts (as a multimodal processor takes them),
-# Flux2KleinPipeline's a string.
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['content'] is string %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
-    "{{ message['role'] }}: {{ part['text'] }}\n"
-    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
-)
-
-
-def tiny_chat_tokenizer(max_length: int) -> Any:
-    """The tiny byte-level tokenizer (``tiny_text``) with a chat template, in place of
-    FLUX.2-dev's ``PixtralProcessor`` (which needs torchvision)."""
-    from litegen.families.tiny_text import tiny_tokenizer
-
-    tokenizer = tiny_tokenizer(max_length, bos=True)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_vae() -> Any:
-    """An 8x ``AutoencoderKLFlux2`` of 4 latent channels whose batch-norm statistics are not the
-    identity (so that tests see them applied)."""
-    import torch
-    from diffusers import AutoencoderKLFlux2
-
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-    )
-    with torch.no_grad():
-        vae.bn.running_mean.uniform_(-0.5, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    return vae
-
-
-def tiny_mistral3_encoder(vocab_size: int, *, layers: int) -> Any:
-    """A ``Mistral3ForConditionalGeneration`` of width 32 with ``layers`` text layers and a
-    one-layer vision tower (never used: prompts only)."""
-    from transformers import (
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        MistralConfig,
-        PixtralVisionConfig,
-    )
-
-    text = MistralConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    vision = PixtralVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        head_dim=8,
-        image_size=32,
-        patch_size=4,
-    )
-    config = Mistral3Config(
-        text_config=text, vision_config=vision, image_token_index=2, spatial_merge_size=1
-    )
-    return Mistral3ForConditionalGeneration(config)
-
-
 # Flux.2 (Flux2Transformer2DModel) as Black Forest Labs' checkpoints name it: diffusers'
 # single-file and LoRA converters read these names. The single blocks' linear1 is one fused
 # Linear in diffusers too (to_qkv_mlp_proj), and the modulations are shared by all blocks.
@@ -343,6 +264,8 @@ class Flux2(Family):
             Flux2Transformer2DModel,
         )
 
+        from litegen.families.tiny_flux2 import tiny_chat_tokenizer, tiny_mistral3_encoder, tiny_vae
+
         torch.manual_seed(seed)
         tokenizer = tiny_chat_tokenizer(64)
         return Flux2Pipeline(
@@ -383,7 +306,7 @@ class Flux2(Family):
     def predict(self, model, noisy, sigmas, batch):
         import torch
 
-        from litegen.families.flux import pack, unpack
+        from litegen.families.packing import pack, unpack
 
         b, _, h, w = noisy.shape
         dtype = model_dtype(model)

@@ -62,7 +62,7 @@ class Flux2Klein(Flux2):
         )
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        from litegen.families.flux2 import tiny_chat_tokenizer, tiny_vae
+        from litegen.families.tiny_flux2 import tiny_chat_tokenizer, tiny_vae
 
         torch.manual_seed(seed)
         tokenizer = tiny_chat_tokenizer(64)

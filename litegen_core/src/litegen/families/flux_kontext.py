@@ -35,7 +35,8 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.families.flux import Flux, image_ids, pack, unpack
+from litegen.families.flux import Flux
+from litegen.families.packing import image_ids, pack, unpack
 
 if TYPE_CHECKING:
     import torch

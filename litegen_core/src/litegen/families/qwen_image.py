@@ -22,11 +22,9 @@ needs that mask rebuilt over the gathered tokens (and diffusers' own ``_cp_plan`
 
 Qwen-Image-Edit: a batch with ``reference_latents`` (normalised latents of a reference image,
 any size) trains ``QwenImageEditPipeline``'s forward: their packed tokens follow the noisy
-ones with their own ``img_shapes`` entry, and the prediction is the noisy tokens' part. The
-edit pipeline is not a family yet: its text encoder reads the reference image with the prompt
-(the text tensors, the empty caption's too, depend on the image, and a media condition's
-encoder is not given the captions), and its ``Qwen2VLProcessor`` needs torchvision, which
-LiteGen does not install.
+ones with their own ``img_shapes`` entry, and the prediction is the noisy tokens' part. Its
+family, whose text encoder reads the reference with the caption, is
+:mod:`litegen.families.qwen_image_edit`.
 
 The tiny pipeline's tokenizer is a byte-level BPE trained offline on the chat templates, so
 its template prefix is 34 tokens as Qwen's own: the pipeline drops exactly the template.
@@ -247,7 +245,7 @@ class QwenImage(Family):
     def predict(self, model, noisy, sigmas, batch):
         import torch
 
-        from litegen.families.flux import pack, unpack
+        from litegen.families.packing import pack, unpack
 
         b, _, h, w = noisy.shape
         dtype = model_dtype(model)

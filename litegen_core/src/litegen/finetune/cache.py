@@ -9,7 +9,8 @@ file's path in the media folder, size and modification time (or, with
 ``finetune.data.cache_content_digest``, a digest of its bytes), its caption and the same of each
 of its condition files, so added or edited files are encoded and the rest is read back.
 
-An entry holds the text tensors (:meth:`Family.encode_text`), ``latents``
+An entry holds the text tensors (:meth:`Family.encode_text_with`: the caption, with the
+sample's conditions where the family's text encoder reads them), ``latents``
 (:meth:`Family.encode_latents`) and, for each media condition of the family, the tensors of
 :meth:`Family.encode_condition`: of the sample's condition file, or of the clip's frame 0 for a
 condition whose default is the first frame.
@@ -146,12 +147,15 @@ def encoder(config: Any, family: Family, device: torch.device) -> Callable[[Samp
         out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
         with torch.no_grad():
             for (shape, _), indices in groups.items():
-                tensors = family.encode_text(pipe, [samples[i][1] for i in indices])
-                if shape is not None:
+                captions = [samples[i][1] for i in indices]
+                if shape is None:  # the empty caption alone
+                    tensors = family.encode_text(pipe, captions)
+                else:
                     pixels = torch.stack([samples[i][0] for i in indices])
+                    given = condition_pixels(family, pixels, [samples[i][2] for i in indices])
+                    tensors = family.encode_text_with(pipe, captions, given)
                     tensors["latents"] = family.encode_latents(pipe, pixels, batch)
-                    given = [samples[i][2] for i in indices]
-                    for name, values in condition_pixels(family, pixels, given).items():
+                    for name, values in given.items():
                         tensors |= family.encode_condition(pipe, name, values, pixels, batch)
                 for row, index in enumerate(indices):
                     out[index] = {name: value[row].cpu() for name, value in tensors.items()}

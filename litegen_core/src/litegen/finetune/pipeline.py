@@ -113,8 +113,11 @@ def frozen_pipeline(config: Any, **kwargs: Any) -> Any:
     transformers = {
         name: None for name in check_pipeline_folder(folder) if name.startswith("transformer")
     }
+    unloaded = {name: None for name in pipeline_family(config).unloaded_components}
     with _no_loading_bars():
-        return load_pipeline(folder, trained=(), **{"transformer": None, **transformers, **kwargs})
+        return load_pipeline(
+            folder, trained=(), **{"transformer": None, **transformers, **unloaded, **kwargs}
+        )
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from litegen.families import Family
+from litegen.families.base import empty_caption_key
 from litegen.finetune.cache import cached_data
 from litegen.finetune.expert_models import ExpertSchedule, expert_schedule, load_experts
 from litegen.finetune.pipeline import (
@@ -34,7 +35,8 @@ from litegen.objectives import FlowMatching
 class CaptionDropout:
     """Each sample's text embeddings swapped for the empty caption's with ``probability``
     (drawn from the training RNG): the unconditional half classifier-free guidance samples
-    with. Not indexable, so ``build``'s dict hands it to ``train_step`` as it is.
+    with. Where the batch holds a sample's own empty caption (:func:`empty_caption_key`: the
+    family's text encoder reads a condition too), that one. Not indexable, so ``build``'s dict hands it to ``train_step`` as it is.
 
     Example:
         >>> batch = {"latents": torch.zeros(4, 2), "prompt_embeds": torch.ones(4, 3, 2)}
@@ -53,7 +55,9 @@ class CaptionDropout:
         dropped = torch.rand(some.shape[0], device=some.device) < self.probability
         out = dict(batch)
         for name, value in self.empty.items():
-            mask = dropped.view(-1, *([1] * value.dim()))
+            # A family whose text encoder reads a condition brings each sample's own empty caption.
+            value = batch.get(empty_caption_key(name), value)
+            mask = dropped.view(-1, *([1] * (batch[name].dim() - 1)))
             out[name] = torch.where(mask, value.to(batch[name]), batch[name])
         return out
 
