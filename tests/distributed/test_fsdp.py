@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from litegen.config.sections import FSDP2Config
-from litegen.module_paths import clean_name
+from litegen.model_parts.paths import clean_name
 from litegen.parallel.wrap import plan_units
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
 from litegen.families.ltx_video import LTXVideo, LTXVideoI2V
-from litegen.families.original_format import (
+from litegen.model_keys.original_format import (
     lora_from_original,
     lora_to_original,
     output_rows,

@@ -28,7 +28,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.loggers",
         "litegen.trainer.loss_guard",
         "litegen.trainer.readback",
-        "litegen.flops",
     ),
     # The LiteGen object: initialize, prepare, and its checkpoint half (a mixin of it).
     ("litegen.runtime", "litegen.checkpoint.api"),
@@ -43,11 +42,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.lora",
         "litegen.ema",
         "litegen.optim",
-        "litegen.precision",
+        "litegen.precision",  # dtype casts, FP8 weight storage, FP8 training
+        "litegen.flops",  # FLOP counting and the throughput/MFU built on it
         "litegen.checkpoint",
         "litegen.data",
-        "litegen.fp8_training",
-        "litegen.fp8_weights",
         "litegen.kernels",
         "litegen.cache",
         "litegen.objectives",
@@ -56,12 +54,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     # Facts about a model's modules.
     (
-        "litegen.blocks",
-        "litegen.module_paths",
-        "litegen.gelu_mlps",
-        "litegen.flop_counter",
-        "litegen.families.original_format",  # converters to the original checkpoints' names
-        "litegen.families.key_map",  # how a family's original checkpoint names its modules
+        "litegen.model_parts",  # repeated blocks, module paths, GELU MLP routing
+        "litegen.model_keys",  # the original checkpoints' module names and their converters
     ),
     ("litegen.config", "litegen.utils"),  # the config and the strategy table; no torch
 )

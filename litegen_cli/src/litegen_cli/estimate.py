@@ -182,7 +182,7 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
 def _frozen_weight_bytes(models: list[Any], optimization: Any) -> int:
     """Frozen models (a VAE, a text encoder) sit on the device whole, cast like the trained one."""
     from litegen.memory.peak_estimate import resident_weight_bytes
-    from litegen.precision import cast_model
+    from litegen.precision.dtypes import cast_model
 
     precision = optimization.precision
     total = 0

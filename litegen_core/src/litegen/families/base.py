@@ -24,7 +24,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from litegen.data import MediaBuckets
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.memory.block_swap import BlockSwap, SwapStats
 from litegen.memory.budget import BudgetPlan, BudgetPlanner
@@ -27,6 +26,7 @@ from litegen.memory.checkpointing import (
 from litegen.memory.chunked_mlp import apply_chunked_mlp
 from litegen.memory.offload import BLOCKS_IN_FLIGHT, ActivationOffloader, OffloadStats
 from litegen.memory.stats import format_peak_memory, peak_memory_since_last_call
+from litegen.model_parts.blocks import repeated_blocks
 
 log = logging.getLogger(__name__)
 

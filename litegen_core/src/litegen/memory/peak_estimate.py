@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.blocks import repeated_blocks
 from litegen.memory.budget_estimate import BlockCost, candidate_plans, choose
 from litegen.memory.offload import BLOCKS_IN_FLIGHT
 from litegen.memory.saved_bytes import SavedBytes, count_saved_bytes
+from litegen.model_parts.blocks import repeated_blocks
 
 SWAP_IN_FLIGHT = 2  # block swap: the block running and the one being fetched
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -151,9 +151,9 @@ def prepare_for_estimate(
         >>> prepare_for_estimate(net, None, opt).weight.dtype
         torch.bfloat16
     """
-    from litegen.fp8_weights import store_frozen_linears_in_fp8
     from litegen.lora import apply_lora, has_adapters, train_adapters
-    from litegen.precision import cast_model
+    from litegen.precision.dtypes import cast_model
+    from litegen.precision.fp8_weights import store_frozen_linears_in_fp8
 
     lora = optimization.lora
     if lora is not None:

@@ -34,7 +34,7 @@ from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimiz
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
 from litegen.parallel.wrap import in_post_order, last_unit, plan_units
-from litegen.precision import fsdp2_mixed_policy
+from litegen.precision.dtypes import fsdp2_mixed_policy
 
 log = logging.getLogger("litegen")
 

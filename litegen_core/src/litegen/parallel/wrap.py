@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from litegen.blocks import repeated_blocks
-from litegen.module_paths import is_under, submodules_at
+from litegen.model_parts.blocks import repeated_blocks
+from litegen.model_parts.paths import is_under, submodules_at
 
 _FIELD = "optimization.parallel.fsdp2"
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litegen.fp8_training import apply_fp8_training
-from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import has_adapters
 from litegen.memory import BlockSwap, MemoryReport, apply_memory_optimizations
 from litegen.parallel import ParallelPlan
 from litegen.parallel.base import Strategy
-from litegen.precision import cast_model
+from litegen.precision.dtypes import cast_model
+from litegen.precision.fp8_training import apply_fp8_training
+from litegen.precision.fp8_weights import store_frozen_linears_in_fp8
 from litegen.runtime.prepare import PreparedModel
 
 if TYPE_CHECKING:

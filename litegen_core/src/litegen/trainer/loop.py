@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from litegen.checkpoint.run_state import RunCheckpointer
 from litegen.checkpoint.save_checks import last_good_note
 from litegen.data import to_device
-from litegen.flops import StepThroughput
+from litegen.flops.throughput import StepThroughput
 from litegen.loggers import check_loggers
 from litegen.memory.stats import peak_memory_since_last_call
 from litegen.runtime.litegen import LiteGen
@@ -111,7 +111,7 @@ class Trainer(RunCheckpoints):
         )
         self._resume_checked = False
         self._restore_after_iter: dict[str, Any] | None = None
-        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first training step.
+        # tokens/s and MFU in the logs (litegen/flops/throughput.py); FLOPs are counted on the first training step.
         self.throughput = StepThroughput(
             gen.unwrap(self.models[0]) if self.models else None,
             device=gen.device,

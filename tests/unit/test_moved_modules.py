@@ -1,0 +1,41 @@
+"""Old import paths of moved modules keep working, with a warning that names the new path."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from litegen.utils.moved_modules import MOVED
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_path_gives_the_new_module_and_warns(old, monkeypatch):
+    new = importlib.import_module(MOVED[old])
+    if any(target.startswith(old + ".") for target in MOVED.values()):
+        # The old module's name is a package now: it forwards the old module's names.
+        name = next(n for n in vars(new) if not n.startswith("_"))
+        with pytest.warns(DeprecationWarning, match=f"moved to {MOVED[old]}.{name}"):
+            found = getattr(importlib.import_module(old), name)
+        assert found is getattr(new, name)
+        return
+    monkeypatch.delitem(sys.modules, old, raising=False)  # imported before: import it again
+    with pytest.warns(DeprecationWarning, match=f"moved to {MOVED[old]};"):
+        assert importlib.import_module(old) is new
+
+
+def test_an_unknown_name_of_a_forwarding_package_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = importlib.import_module("litegen.flops").no_such_name
+
+
+def test_the_root_holds_at_most_eight_loose_modules():
+    from pathlib import Path
+
+    import litegen
+
+    root = Path(litegen.__file__).parent
+    loose = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 8, loose
+    assert not any(root.joinpath(*old.split(".")[1:]).with_suffix(".py").exists() for old in MOVED)
