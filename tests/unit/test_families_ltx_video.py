@@ -209,8 +209,8 @@ def test_samples_come_from_the_text_and_image_to_video_pipelines(pipe):
 
 
 def test_the_sequence_plan_of_plans_py_is_the_familys():
-    from litegen.parallel.sequence.plan import Split
-    from litegen.parallel.sequence.plans import BUILTIN, plan_for
+    from litegen.parallel.sequence.builtin_plans import BUILTIN, plan_for
+    from litegen.parallel.sequence.sequence_plan import Split
 
     model = tiny_model()
     assert "LTXVideoTransformer3DModel" not in BUILTIN

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from litegen.utils.moved_modules import MOVED
+from litegen.utils.moved_modules import MOVED, RENAMED
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -39,3 +39,13 @@ def test_the_root_holds_at_most_eight_loose_modules():
     loose = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
     assert len(loose) <= 8, loose
     assert not any(root.joinpath(*old.split(".")[1:]).with_suffix(".py").exists() for old in MOVED)
+
+
+@pytest.mark.parametrize(
+    ("module", "old"), [(module, old) for module, names in RENAMED.items() for old in names]
+)
+def test_an_old_name_gives_the_renamed_function_and_warns(module, old):
+    found = importlib.import_module(module)
+    new = RENAMED[module][old]
+    with pytest.warns(DeprecationWarning, match=f"moved to {module}.{new}"):
+        assert getattr(found, old) is getattr(found, new)

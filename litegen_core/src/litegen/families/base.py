@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from litegen.objectives import FlowMatching
-    from litegen.parallel.sequence.plan import SequencePlan
+    from litegen.parallel.sequence.sequence_plan import SequencePlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimizer
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
-from litegen.parallel.wrap import in_post_order, last_unit, plan_units
+from litegen.parallel.wrap import in_post_order, last_unit, select_wrap_units
 from litegen.precision.dtypes import fsdp2_mixed_policy
 
 log = logging.getLogger("litegen")
@@ -81,7 +81,7 @@ class Fsdp2Strategy(Strategy):
         if self.trains_unwrapped():
             log.info("%s on one rank: training unwrapped (nothing to shard or reduce)", self.name)
             return model.to(self.plan.device)
-        planned = plan_units(model, cfg)
+        planned = select_wrap_units(model, cfg)
         last = last_unit(model, planned)
         # Submodules the model calls from outside their unit get units of their own.
         outside = called_from_outside(model, planned, cfg.exclude_paths)
@@ -153,7 +153,7 @@ class Fsdp2Strategy(Strategy):
         # of nested units, the outer one saves more and contains the inner one's work.
         units = [
             u
-            for u in plan_units(model, self.optimization.parallel.fsdp2)
+            for u in select_wrap_units(model, self.optimization.parallel.fsdp2)
             if not isinstance(modules[u], nn.ModuleList | nn.ModuleDict)
         ]
         outer = [u for u in units if not any(u.startswith(o + ".") for o in units)]

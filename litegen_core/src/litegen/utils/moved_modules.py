@@ -36,6 +36,30 @@ MOVED: dict[str, str] = {
     "litegen.flop_counter": "litegen.flops.counting",
     "litegen.families.key_map": "litegen.model_keys.key_map",
     "litegen.families.original_format": "litegen.model_keys.original_format",
+    # Renamed so that one name means one thing (docs/architecture.md, "Names").
+    "litegen.parallel.sequence.plan": "litegen.parallel.sequence.sequence_plan",
+    "litegen.parallel.sequence.plans": "litegen.parallel.sequence.builtin_plans",
+    "litegen.parallel.buckets": "litegen.parallel.grad_buckets",
+    "litegen.data.buckets": "litegen.data.shape_buckets",
+    "litegen.trainer.media": "litegen.trainer.sample_files",
+    "litegen.experimental.gelu_mlp": "litegen.experimental.fused_gelu_mlp_op",
+    "litegen.experimental.mlp_fusion": "litegen.experimental.fused_gelu_mlp",
+    "litegen.memory.chunked_mlp": "litegen.memory.mlp_token_chunks",
+}
+
+# module -> old public name -> new name in the same module.
+RENAMED: dict[str, dict[str, str]] = {
+    "litegen.parallel.wrap": {"plan_units": "select_wrap_units"},
+    "litegen.memory": {"BudgetPlanner": "BudgetChooser", "BudgetPlan": "BudgetChoice"},
+    "litegen.memory.budget": {
+        "BudgetPlanner": "BudgetChooser",
+        "BudgetPlan": "BudgetChoice",
+        "candidate_plans": "candidate_choices",
+    },
+    "litegen.memory.budget_estimate": {
+        "BudgetPlan": "BudgetChoice",
+        "candidate_plans": "candidate_choices",
+    },
 }
 
 
@@ -96,3 +120,18 @@ def moved_attribute(package: str, name: str) -> Any:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     _warn(f"{package}.{name}", f"{new}.{name}")
     return getattr(module, name)
+
+
+def renamed_attribute(module: str, name: str) -> Any:
+    """The renamed ``name`` of ``module`` under its new name, with a warning.
+
+    Example (in the module)::
+
+        def __getattr__(name):
+            return renamed_attribute(__name__, name)
+    """
+    new = RENAMED.get(module, {}).get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    _warn(f"{module}.{name}", f"{module}.{new}")
+    return getattr(sys.modules[module], new)
