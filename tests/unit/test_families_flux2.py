@@ -145,7 +145,7 @@ def test_original_lora_fuses_qkv_and_loads_in_flux2_pipeline_as_trained(tmp_path
     from diffusers import Flux2Pipeline
     from safetensors.torch import load_file
 
-    from litegen.export import write_original_lora
+    from litegen.finetune.export import write_original_lora
 
     trained = adapted(TARGETS)
     path = write_original_lora(

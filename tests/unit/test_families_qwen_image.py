@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_export
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
 from litegen.families.qwen_image import ORIGINAL_KEYS, QwenImage
+from litegen.finetune.export import write_export
 from litegen.lora import adapter_alpha_state, apply_lora
 from litegen.model_keys.original_format import lora_from_original, output_rows
 from litegen.objectives import FlowMatching, resolution_shift

@@ -22,7 +22,7 @@ EXPERIMENTAL_DOOR = "runtime/litegen.py"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
     # The loop around the user's step, and the fine-tuning road that is an entry of it.
-    ("litegen.trainer", "litegen.entry", "litegen.export", "litegen.finetune"),
+    ("litegen.trainer", "litegen.entry", "litegen.finetune"),
     (  # the trainer's instruments, under the loop though some live in its folder
         "litegen.trainer.metrics",
         "litegen.loggers",

@@ -36,6 +36,7 @@ MOVED: dict[str, str] = {
     "litegen.flop_counter": "litegen.flops.counting",
     "litegen.families.key_map": "litegen.model_keys.key_map",
     "litegen.families.original_format": "litegen.model_keys.original_format",
+    "litegen.export": "litegen.finetune.export",
     # Renamed so that one name means one thing (docs/architecture.md, "Names").
     "litegen.parallel.sequence.plan": "litegen.parallel.sequence.sequence_plan",
     "litegen.parallel.sequence.plans": "litegen.parallel.sequence.builtin_plans",
