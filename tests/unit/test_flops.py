@@ -14,9 +14,9 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import litegen
 from litegen.compile import compile_blocks
+from litegen.flops import throughput as flops
 from litegen.flops.counting import call_compiled
 from litegen.flops.throughput import FlopCounter, StepThroughput, mfu, peak_flops, throughput
-from litegen.flops.throughput import throughput as flops
 from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
 from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
