@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import pytest
 
-from litegen.utils.moved_modules import MOVED, RENAMED
+from litegen.utils.moved_modules import MOVED, RENAMED, moved_attribute
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -23,6 +24,15 @@ def test_an_old_path_gives_the_new_module_and_warns(old, monkeypatch):
     monkeypatch.delitem(sys.modules, old, raising=False)  # imported before: import it again
     with pytest.warns(DeprecationWarning, match=f"moved to {MOVED[old]};"):
         assert importlib.import_module(old) is new
+
+
+def test_a_forwarding_package_still_gives_its_submodules():
+    # ``throughput`` is both a submodule of litegen.flops and a function of the old module;
+    # ``from litegen.flops import throughput`` asks the package's __getattr__ first.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        found = moved_attribute("litegen.flops", "throughput")
+    assert found is importlib.import_module("litegen.flops.throughput")
 
 
 def test_an_unknown_name_of_a_forwarding_package_is_an_attribute_error():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -116,6 +117,10 @@ def moved_attribute(package: str, name: str) -> Any:
     new = MOVED.get(package)
     if new is None or name.startswith("__"):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    if importlib.util.find_spec(f"{package}.{name}") is not None:
+        # A submodule of the package (``from litegen.flops import throughput``), not the old
+        # module's attribute of the same name.
+        return importlib.import_module(f"{package}.{name}")
     module = importlib.import_module(new)
     if not hasattr(module, name):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
