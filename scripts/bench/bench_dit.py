@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import litegen
-from litegen.flops import FlopCounter, peak_flops
+from litegen.flops.throughput import FlopCounter, peak_flops
 from litegen.runtime.distributed import DistEnv
 from litegen_zoo.dit_model import DiTConfig
 from scripts.bench.bench_profile import attention_sweep, print_profiles, profile_summary
@@ -202,7 +202,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, help="per GPU (default: the workload's)")
     p.add_argument("--tokens", type=int, help="per sample (default: the workload's)")
-    p.add_argument("--peak-tflops", type=float, help="MFU peak (default: litegen.flops table)")
+    p.add_argument(
+        "--peak-tflops", type=float, help="MFU peak (default: litegen.flops.throughput table)"
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke)")
     p.add_argument("--out", type=Path, help="write the results as JSON here (rank 0)")

@@ -3,7 +3,7 @@
 Where FP8 linear training (``optimization.precision.fp8_linear``) can pay off, measured alone:
 each row is one compiled ``nn.Linear`` with fp32 weights under bf16 autocast, as a
 ``bf16-mixed`` step runs it, then the same layer converted as ``fp8_linear`` converts it
-(``litegen.fp8_training``: torchao's float8 training) with the ``tensorwise`` and the ``rowwise``
+(``litegen.precision.fp8_training``: torchao's float8 training) with the ``tensorwise`` and the ``rowwise``
 recipe (the FP8 casts, their scales and the three FP8 GEMMs of forward and backward). Median
 ms per call over 20 calls after warm-up, one machine start. The shapes are the Linear layers
 of DiT-XL/2 at batch 128, Wan 2.1 1.3B and Wan 2.1 14B (tokens x in -> out):
@@ -19,7 +19,7 @@ import argparse
 import torch
 from torch import nn
 
-from litegen.fp8_training import apply_fp8_training, fp8_unavailable
+from litegen.precision.fp8_training import apply_fp8_training, fp8_unavailable
 from scripts.timing import median_cuda_ms, release
 
 SHAPES = {

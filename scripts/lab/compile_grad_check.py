@@ -32,8 +32,8 @@ SIDES = ("eager", "hand", "litegen")
 
 def train(args: argparse.Namespace, side: str) -> dict[str, Any]:
     """``--steps`` steps of one side: losses, gradient norms and the first step's gradients."""
-    from litegen.blocks import repeated_blocks
     from litegen.compile import compile_blocks
+    from litegen.model_parts.blocks import repeated_blocks
     from litegen.utils.config import CompileConfig
     from litegen_zoo.real_models import REAL_MODELS, LatentShape
 

@@ -205,7 +205,7 @@ def config_for(case: Case, results: str, strategy: str, max_steps: int, **traine
 def train(case: Case, results: str, strategy: str, max_steps: int = STEPS, **trainer) -> dict:
     """One run of ``case`` through the real loop: losses, validation losses, weights, exports."""
     import litegen
-    from litegen.fp8_weights import FP8Linear
+    from litegen.precision.fp8_weights import FP8Linear
     from litegen.trainer import Trainer
 
     spec = REAL_MODELS[case["model"]]

@@ -296,7 +296,7 @@ def test_a_sequence_too_short_for_the_ring_is_refused(four):
 
 def test_flux_plan_read_from_diffusers_cp_plan_keeps_the_text_whole():
     from litegen.parallel.sequence import plan_for
-    from litegen.parallel.sequence.plan import Split
+    from litegen.parallel.sequence.sequence_plan import Split
 
     plan = plan_for(REAL_MODELS["flux"].build("tiny"))
     # diffusers splits encoder_hidden_states and txt_ids too; LiteGen leaves them whole.

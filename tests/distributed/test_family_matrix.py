@@ -214,8 +214,8 @@ def check_original_lora_round_trip(run: Run, path: Path) -> None:
     """The original-format file read back by LiteGen's inverse converter adds to each module
     what the trained adapters add (``alpha / rank * B @ A``; a fused module may read back at
     the fused rank, its unadapted parts with zero deltas)."""
-    from litegen.families.original_format import lora_from_original, output_rows
     from litegen.lora import adapter_alpha_state
+    from litegen.model_keys.original_format import lora_from_original, output_rows
 
     model = trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
     want = deltas(adapter_alpha_state(model, model.state_dict()))
@@ -274,7 +274,7 @@ def test_full_original_export_loads_with_from_single_file(full_run: Run, tmp_pat
     reason = limit(case, "original_weights")
     if reason:
         # What can be checked without diffusers: LiteGen's inverse gives the trained weights.
-        from litegen.families.original_format import output_rows, weights_from_original
+        from litegen.model_keys.original_format import output_rows, weights_from_original
         from litegen.pretrained import load_component
 
         rows = output_rows(load_component(full_run.pipeline, "transformer"))

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from litegen.config.sections import FSDP2Config
-from litegen.module_paths import clean_name
-from litegen.parallel.wrap import plan_units
+from litegen.model_parts.paths import clean_name
+from litegen.parallel.wrap import select_wrap_units
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import PairDataset, loss_fn, make_model
 
@@ -291,80 +291,84 @@ def block_params() -> int:
 
 
 def test_repeated_plan_finds_the_blocks():
-    assert plan_units(make_model(), cfg()) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert select_wrap_units(make_model(), cfg()) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_manual_plan_orders_units_and_rejects_unknown_paths():
-    units = plan_units(make_model(), cfg(wrap_strategy="manual", wrap_paths=["blocks.1", "embed"]))
+    units = select_wrap_units(
+        make_model(), cfg(wrap_strategy="manual", wrap_paths=["blocks.1", "embed"])
+    )
     assert units == ["embed", "blocks.1"]
     with pytest.raises(ValueError, match=r"blocks\.7"):
-        plan_units(make_model(), cfg(wrap_strategy="manual", wrap_paths=["blocks.7"]))
+        select_wrap_units(make_model(), cfg(wrap_strategy="manual", wrap_paths=["blocks.7"]))
     with pytest.raises(ValueError, match="wrap_paths"):
-        plan_units(make_model(), cfg(wrap_strategy="manual"))
+        select_wrap_units(make_model(), cfg(wrap_strategy="manual"))
 
 
 def test_size_based_plan_counts_unclaimed_parameters_bottom_up():
     model = make_model()
     whole_block = cfg(wrap_strategy="size_based", min_num_params=block_params())
-    assert plan_units(model, whole_block) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert select_wrap_units(model, whole_block) == ["blocks.0", "blocks.1", "blocks.2"]
     # attn and mlp reach this threshold; what they leave of one block (norms, ada) does not,
     # but the three leftovers together do, so the ModuleList becomes a unit around them.
     threshold = min(
         sum(p.numel() for p in model.blocks[0].get_submodule(m).parameters())
         for m in ("attn", "mlp")
     )
-    units = plan_units(model, cfg(wrap_strategy="size_based", min_num_params=threshold))
+    units = select_wrap_units(model, cfg(wrap_strategy="size_based", min_num_params=threshold))
     assert units == [f"blocks.{i}.{m}" for i in range(3) for m in ("attn", "mlp")] + ["blocks"]
     total = sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match=f"min_num_params={total}"):
-        plan_units(model, cfg(wrap_strategy="size_based", min_num_params=total))
+        select_wrap_units(model, cfg(wrap_strategy="size_based", min_num_params=total))
 
 
 def test_class_based_plan_matches_names_and_puts_children_first():
     model = make_model()
-    assert plan_units(model, cfg(wrap_strategy="class_based", wrap_class_names=["Block"])) == [
+    assert select_wrap_units(
+        model, cfg(wrap_strategy="class_based", wrap_class_names=["Block"])
+    ) == [
         "blocks.0",
         "blocks.1",
         "blocks.2",
     ]
     qualified = f"{type(model.blocks[0]).__module__}.Block"
-    nested = plan_units(
+    nested = select_wrap_units(
         model, cfg(wrap_strategy="class_based", wrap_class_names=[qualified, "LayerNorm"])
     )
     assert nested.index("blocks.0.norm1") < nested.index("blocks.0") < nested.index("blocks.1")
     assert nested[-1] == "final_norm"
     with pytest.raises(ValueError, match=r"\['Nope'\]"):
-        plan_units(model, cfg(wrap_strategy="class_based", wrap_class_names=["Nope"]))
+        select_wrap_units(model, cfg(wrap_strategy="class_based", wrap_class_names=["Nope"]))
 
 
 def test_repeated_plan_without_blocks_raises():
     with pytest.raises(ValueError, match="repeated blocks"):
-        plan_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), cfg())
+        select_wrap_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), cfg())
 
 
 def test_exclude_paths_keep_frozen_modules_out_of_every_unit():
     model = make_model()
     model.time.requires_grad_(False)
     plan = cfg(wrap_strategy="size_based", min_num_params=1000, exclude_paths=["time"])
-    units = plan_units(model, plan)
+    units = select_wrap_units(model, plan)
     assert "blocks.0.attn" in units
     assert not [u for u in units if u.startswith("time")]
     with pytest.raises(ValueError, match="inside exclude_paths"):
-        plan_units(
+        select_wrap_units(
             model, cfg(wrap_strategy="manual", wrap_paths=["time.0"], exclude_paths=["time"])
         )
     with pytest.raises(ValueError, match="frozen"):
-        plan_units(make_model(), cfg(exclude_paths=["time"]))  # time is trainable here
+        select_wrap_units(make_model(), cfg(exclude_paths=["time"]))  # time is trainable here
     with pytest.raises(ValueError, match="does not have"):
-        plan_units(make_model(), cfg(exclude_paths=["nope"]))
+        select_wrap_units(make_model(), cfg(exclude_paths=["nope"]))
 
 
 def test_empty_units_need_the_allow_flag():
     gelu = cfg(wrap_strategy="class_based", wrap_class_names=["GELU"])
     with pytest.raises(ValueError, match="allow_empty_param_unit_sharding"):
-        plan_units(make_model(), gelu)
+        select_wrap_units(make_model(), gelu)
     allowed = gelu.model_copy(update={"allow_empty_param_unit_sharding": True})
-    assert plan_units(make_model(), allowed) == [f"blocks.{i}.mlp.1" for i in range(3)]
+    assert select_wrap_units(make_model(), allowed) == [f"blocks.{i}.mlp.1" for i in range(3)]
 
 
 # -- 2 ranks -------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from litegen.blocks import repeated_blocks
 from litegen.config.strategies import names_where
+from litegen.model_parts.blocks import repeated_blocks
 from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.harness import run_ranks
 from tests.distributed.models import TinyDiT

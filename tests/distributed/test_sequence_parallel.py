@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from litegen.parallel.sequence import SequencePlan, Split
-from litegen.parallel.sequence.plans import BUILTIN, family_plans
+from litegen.parallel.sequence.builtin_plans import BUILTIN, family_plans
 from litegen_zoo.real_models import REAL_MODELS, LatentShape
 from tests.distributed.harness import run_ranks
 
@@ -429,7 +429,7 @@ def test_heads_that_do_not_divide_are_an_error_at_prepare(two):
 
 def test_builtin_plans_split_what_diffusers_context_parallel_plans_split():
     """Wan and LTX-Video carry diffusers' own plans: the video-token entries must agree (the
-    text stays whole in LiteGen's, see litegen.parallel.sequence.plans)."""
+    text stays whole in LiteGen's, see litegen.parallel.sequence.builtin_plans)."""
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     for cls, text in (

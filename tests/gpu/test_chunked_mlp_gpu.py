@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from litegen.memory.chunked_mlp import apply_chunked_mlp
+from litegen.memory.mlp_token_chunks import apply_chunked_mlp
 from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [

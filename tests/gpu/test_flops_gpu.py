@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from litegen.compile import compile_blocks
-from litegen.flops import FlopCounter
+from litegen.flops.throughput import FlopCounter
 from litegen.utils.config import CompileConfig
 from tests.gpu.nets import BATCH, HIDDEN, TOKENS, Block
 from tests.gpu.peaks import peak_since, start_peak

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from litegen.compile import compile_blocks
 from litegen.experimental.cublaslt import dgelu, gelu_aux_bias
-from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp
+from litegen.experimental.fused_gelu_mlp import apply_fused_gelu_mlp
 from litegen.utils.config import CompileConfig
 from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
 

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from litegen.config import LoRAConfig
-from litegen.fp8_training import apply_fp8_training, fp8_unavailable
-from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora
 from litegen.memory import BlockSwap
+from litegen.precision.fp8_training import apply_fp8_training, fp8_unavailable
+from litegen.precision.fp8_weights import store_frozen_linears_in_fp8
 from tests.gpu.peaks import peak_since, start_peak
 
 pytestmark = [

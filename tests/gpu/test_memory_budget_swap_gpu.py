@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from litegen.config import LoRAConfig, MemoryConfig
-from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora
 from litegen.memory import BlockSwap, apply_memory_optimizations
+from litegen.precision.fp8_weights import store_frozen_linears_in_fp8
 from tests.gpu.nets import WideStack
 from tests.gpu.peaks import peak_since, start_peak
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from litegen.compile import compile_blocks
 from litegen.experimental.row_reductions import persistent_rows_context
-from litegen.flops import FlopCounter, peak_flops
+from litegen.flops.throughput import FlopCounter, peak_flops
 from litegen.kernels.attention import BACKENDS, attention_context
 from litegen.memory import apply_memory_optimizations
 from litegen.utils.config import CompileConfig, MemoryConfig

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import litegen
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations
-from litegen.memory.chunked_mlp import apply_chunked_mlp, is_chunked
+from litegen.memory.mlp_token_chunks import apply_chunked_mlp, is_chunked
 from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig
 from tests.unit.test_gelu_mlp import (
     TINY,

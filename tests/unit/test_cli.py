@@ -25,8 +25,8 @@ from litegen_cli.launcher import (
     write_resolved_recipe,
 )
 from litegen_cli.lifeline import LAUNCHER_PID_ENV
-from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, RecipeError, apply_overrides, load_recipe
+from litegen_cli.run_shape import derive_run_shape
 from litegen_cli.slurm import apply_slurm_env, first_host
 from tests.unit.test_cli_manners import registered_commands
 
@@ -511,7 +511,7 @@ def test_inspect_config_checks_a_finetune_recipe_without_importing_torch(tmp_pat
 
 
 def test_plan_numbers(tmp_path):
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), ["launch.nnodes=2"], env={}))
     assert (plan.world_size, plan.dp_size, plan.micro_batch) == (4, 4, 1)
     assert plan.sp_size == 1 and plan.tokens_per_rank is None
     assert plan.strategy == "ddp" and plan.device == "cpu"
@@ -520,12 +520,12 @@ def test_plan_numbers(tmp_path):
 def test_plan_says_when_auto_checkpointing_is_chosen(tmp_path):
     prefix = "optimization.memory.activation_checkpoint"
     overrides = [f"{prefix}.enabled=true", f"{prefix}.selective_ratio=auto"]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path, runtime={}), overrides, env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path, runtime={}), overrides, env={}))
     assert plan.memory == "checkpointing auto within 90% of device memory: chosen on the first step"
     budget = [*overrides, f"{prefix}.memory_budget_gib=2"]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), budget, env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), budget, env={}))
     assert plan.memory == "checkpointing auto within 2.0 GiB: chosen on the first step"
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), [], env={}))
     assert plan.memory == "off"
 
 
@@ -553,14 +553,14 @@ def test_the_plan_shows_how_many_blocks_are_checkpointed(tmp_path, fields, shown
 
 
 def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), [], env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), [], env={}))
     assert plan.weights == "on the device, in their dtype"
     overrides = [
         "optimization.parallel.strategy=fsdp2",
         "optimization.parallel.fsdp2.cpu_offload=true",
         "optimization.precision.fp8_linear=rowwise",
     ]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), overrides, env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), overrides, env={}))
     assert plan.weights == (
         "parameters, gradients and optimizer state in host memory (cpu_offload); "
         "fp8 Linear matmuls (rowwise, where the GPU and torchao allow)"
@@ -570,7 +570,7 @@ def test_plan_shows_where_weights_live_and_in_which_precision(tmp_path):
         "optimization.lora.fp8_base=tensorwise",
         "optimization.memory.block_swap.blocks_on_device=4",
     ]
-    plan = derive_plan(load_recipe(write_recipe(tmp_path), lora, env={}))
+    plan = derive_run_shape(load_recipe(write_recipe(tmp_path), lora, env={}))
     assert plan.weights == "frozen Linear weights in fp8 (tensorwise)"
     assert plan.memory == "block swap: frozen weights of all but 4 blocks in host memory"
     result = invoke("inspect-config", write_recipe(tmp_path), *lora)

@@ -1,4 +1,4 @@
-"""litegen.export from a run checkpoint written by hand: the weights it reads (the model's, or the
+"""litegen.finetune.export from a run checkpoint written by hand: the weights it reads (the model's, or the
 EMA's over them) and the bad input `litegen export` refuses. The recipes' runs export end to end
 in tests/distributed/test_finetune_recipes.py."""
 
@@ -14,7 +14,7 @@ import yaml
 from torch import nn
 from typer.testing import CliRunner
 
-from litegen.export import checkpoint_has_ema, checkpoint_weights
+from litegen.finetune.export import checkpoint_has_ema, checkpoint_weights
 from litegen_cli.app import app
 
 

@@ -12,12 +12,12 @@ from torch import nn
 from typer.testing import CliRunner
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_export
 from litegen.families import KeyMap
-from litegen.families.original_format import lora_to_original
 from litegen.families.wan import ORIGINAL_KEYS as WAN_KEY_MAP
 from litegen.families.wan import Wan
+from litegen.finetune.export import write_export
 from litegen.lora import adapter_alpha_state, apply_lora
+from litegen.model_keys.original_format import lora_to_original
 from litegen.pretrained import load_component
 from litegen_cli.app import app
 from tests.pipelines import tiny_pipeline_folder

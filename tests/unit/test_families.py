@@ -170,8 +170,8 @@ def test_wan_encodes_images_as_one_frame_clips():
 
 
 def test_the_sequence_plans_come_from_the_families():
-    from litegen.parallel.sequence.plan import Split
-    from litegen.parallel.sequence.plans import plan_for
+    from litegen.parallel.sequence.builtin_plans import plan_for
+    from litegen.parallel.sequence.sequence_plan import Split
 
     wan = tiny_transformer(Wan)
     plan = plan_for(wan)

@@ -145,7 +145,7 @@ def test_original_lora_fuses_qkv_and_loads_in_flux2_pipeline_as_trained(tmp_path
     from diffusers import Flux2Pipeline
     from safetensors.torch import load_file
 
-    from litegen.export import write_original_lora
+    from litegen.finetune.export import write_original_lora
 
     trained = adapted(TARGETS)
     path = write_original_lora(
@@ -165,8 +165,8 @@ def test_original_lora_fuses_qkv_and_loads_in_flux2_pipeline_as_trained(tmp_path
 
 
 def test_original_lora_round_trips_with_norm_out_in_bfl_order():
-    from litegen.families.original_format import lora_from_original, lora_to_original, output_rows
     from litegen.lora import adapter_alpha_state
+    from litegen.model_keys.original_format import lora_from_original, lora_to_original, output_rows
 
     trained = adapted("all-linear")
     adapters = adapter_alpha_state(trained, trained.state_dict())
@@ -189,7 +189,7 @@ def test_weights_load_with_from_single_file(tmp_path: Path):
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
 
-    from litegen.families.original_format import weights_to_original
+    from litegen.model_keys.original_format import weights_to_original
 
     model = tiny_transformer()
     original = weights_to_original(model.state_dict(), ORIGINAL_KEYS)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_export
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
 from litegen.families.hunyuan_video15 import HunyuanVideo15
+from litegen.finetune.export import write_export
 from litegen.lora import apply_lora
 
 diffusers = pytest.importorskip("diffusers")

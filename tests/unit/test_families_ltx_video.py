@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
 from litegen.families.ltx_video import LTXVideo, LTXVideoI2V
-from litegen.families.original_format import (
+from litegen.model_keys.original_format import (
     lora_from_original,
     lora_to_original,
     output_rows,
@@ -209,8 +209,8 @@ def test_samples_come_from_the_text_and_image_to_video_pipelines(pipe):
 
 
 def test_the_sequence_plan_of_plans_py_is_the_familys():
-    from litegen.parallel.sequence.plan import Split
-    from litegen.parallel.sequence.plans import BUILTIN, plan_for
+    from litegen.parallel.sequence.builtin_plans import BUILTIN, plan_for
+    from litegen.parallel.sequence.sequence_plan import Split
 
     model = tiny_model()
     assert "LTXVideoTransformer3DModel" not in BUILTIN

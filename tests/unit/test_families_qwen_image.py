@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_export
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
-from litegen.families.original_format import lora_from_original, output_rows
 from litegen.families.qwen_image import ORIGINAL_KEYS, QwenImage
+from litegen.finetune.export import write_export
 from litegen.lora import adapter_alpha_state, apply_lora
+from litegen.model_keys.original_format import lora_from_original, output_rows
 from litegen.objectives import FlowMatching, resolution_shift
 
 diffusers = pytest.importorskip("diffusers")
@@ -238,7 +238,7 @@ def test_lora_exports_load_in_diffusers_as_trained(file, tmp_path):
 def test_the_original_lora_round_trips():
     trained = trained_lora()
     adapters = adapter_alpha_state(trained, trained.state_dict())
-    from litegen.families.original_format import lora_to_original
+    from litegen.model_keys.original_format import lora_to_original
 
     rows = output_rows(trained)
     back = lora_from_original(lora_to_original(adapters, ORIGINAL_KEYS, rows=rows),

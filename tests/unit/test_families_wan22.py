@@ -136,7 +136,7 @@ def test_a_bad_expert_name_or_experts_of_a_one_transformer_pipeline_are_refused(
 
 def test_each_expert_export_loads_into_its_own_transformer(tmp_path: Path) -> None:
     from litegen.config.sections import LoRAConfig
-    from litegen.export import write_export
+    from litegen.finetune.export import write_export
     from litegen.lora import apply_lora
 
     folder = tiny_pipeline_folder("wan22")

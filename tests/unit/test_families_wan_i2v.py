@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_export
 from litegen.families import family_for_pipeline, family_for_transformer
 from litegen.families.wan import Wan, WanI2V, _to_pil
+from litegen.finetune.export import write_export
 from litegen.lora import apply_lora
 from litegen.objectives import FlowMatching
 from tests.pipelines import tiny_pipeline_folder

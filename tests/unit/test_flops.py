@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import litegen
-from litegen import flops
 from litegen.compile import compile_blocks
-from litegen.flop_counter import call_compiled
-from litegen.flops import FlopCounter, StepThroughput, mfu, peak_flops, throughput
+from litegen.flops import throughput as flops
+from litegen.flops.counting import call_compiled
+from litegen.flops.throughput import FlopCounter, StepThroughput, mfu, peak_flops, throughput
 from litegen.memory import apply_memory_optimizations
 from litegen.trainer import Trainer
 from litegen.utils.config import CompileConfig, MainConfig, MemoryConfig

@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import nn
 
-from litegen.fp8_training import apply_fp8_training, fp8_unavailable
+from litegen.precision.fp8_training import apply_fp8_training, fp8_unavailable
 
 
 def test_fp8_training_steps_aside_on_a_cpu_with_one_warning(caplog):

@@ -9,8 +9,13 @@ import torch
 from torch import nn
 
 from litegen.config import LoRAConfig
-from litegen.fp8_weights import FP8Linear, dequantize, quantize, store_frozen_linears_in_fp8
 from litegen.lora import apply_lora
+from litegen.precision.fp8_weights import (
+    FP8Linear,
+    dequantize,
+    quantize,
+    store_frozen_linears_in_fp8,
+)
 from tests.distributed.models import make_model
 
 

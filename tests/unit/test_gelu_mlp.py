@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import litegen
 from litegen.compile import compile_blocks
 from litegen.experimental import TESTED_TORCH, torch_release
-from litegen.experimental.gelu_mlp import sum_rows
-from litegen.experimental.mlp_fusion import apply_fused_gelu_mlp, is_fused
+from litegen.experimental.fused_gelu_mlp import apply_fused_gelu_mlp, is_fused
+from litegen.experimental.fused_gelu_mlp_op import sum_rows
 from litegen.utils.config import CompileConfig, MainConfig
 from litegen_zoo.dit_model import DiT, DiTConfig, sample_batch
 

@@ -22,8 +22,8 @@ EXPERIMENTAL_DOOR = "runtime/litegen.py"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("litegen",),  # the package itself: the public API's re-exports
     # The loop around the user's step, and the fine-tuning road that is an entry of it.
-    ("litegen.trainer", "litegen.entry", "litegen.export", "litegen.finetune"),
-    ("litegen.instruments", "litegen.loggers", "litegen.flops"),  # the loop's instruments
+    ("litegen.trainer", "litegen.entry", "litegen.finetune"),
+    ("litegen.instruments", "litegen.loggers"),  # the loop's instruments
     # The LiteGen object: initialize, prepare, and the checkpointer it holds.
     ("litegen.runtime",),
     ("litegen.experimental",),  # the lab, opened by prepare alone
@@ -37,11 +37,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.lora",
         "litegen.ema",
         "litegen.optim",
-        "litegen.precision",
+        "litegen.precision",  # dtype casts, FP8 weight storage, FP8 training
+        "litegen.flops",  # FLOP counting and the throughput/MFU built on it
         "litegen.checkpoint",
         "litegen.data",
-        "litegen.fp8_training",
-        "litegen.fp8_weights",
         "litegen.kernels",
         "litegen.cache",
         "litegen.objectives",
@@ -50,12 +49,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     # Facts about a model's modules.
     (
-        "litegen.blocks",
-        "litegen.module_paths",
-        "litegen.gelu_mlps",
-        "litegen.flop_counter",
-        "litegen.families.original_format",  # converters to the original checkpoints' names
-        "litegen.families.key_map",  # how a family's original checkpoint names its modules
+        "litegen.model_parts",  # repeated blocks, module paths, GELU MLP routing
+        "litegen.model_keys",  # the original checkpoints' module names and their converters
     ),
     ("litegen.config", "litegen.utils"),  # the config and the strategy table; no torch
 )

@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from litegen.compile import compile_blocks
 from litegen.memory import apply_memory_optimizations, is_checkpointed
-from litegen.memory.budget import BlockCost, candidate_plans, choose
+from litegen.memory.budget import BlockCost, candidate_choices, choose
 from litegen.utils.config import CompileConfig, MemoryConfig
 from tests.distributed.harness import run_ranks
 
@@ -136,7 +136,9 @@ def test_offload_plans_trade_recompute_for_copies_the_forward_hides():
     costs = {f"b.{i}": BlockCost(activation_bytes=100, input_bytes=10) for i in range(4)}
 
     def choose_within(budget: int, bandwidth: float):
-        plans = candidate_plans(costs, {4: 1000}, 1.0, bandwidth, offload=True, blocks_in_flight=2)
+        plans = candidate_choices(
+            costs, {4: 1000}, 1.0, bandwidth, offload=True, blocks_in_flight=2
+        )
         plan, fits = choose(plans, budget)
         assert fits
         return plan
@@ -158,7 +160,7 @@ def test_blocks_left_out_add_only_to_the_phases_that_still_hold_them():
     # The forward peaks at 1000 (every block holds), block 2's backward at 1100 (blocks 0 and 1
     # still hold), the end of backward at 1250 (gradients, no block holds anything).
     costs = {f"b.{i}": BlockCost(activation_bytes=100, input_bytes=10) for i in range(4)}
-    plans = candidate_plans(costs, {4: 1000, 2: 1100, 0: 1250}, 1.0, 0.0, offload=False)
+    plans = candidate_choices(costs, {4: 1000, 2: 1100, 0: 1250}, 1.0, 0.0, offload=False)
     assert [p.estimate_bytes for p in plans] == [1400, 1300, 1250, 1250, 1250]
     # Two blocks left out fit under 1260, where one peak plus every activation (1450) would not.
     plan, fits = choose(plans, 1260)

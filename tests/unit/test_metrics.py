@@ -51,11 +51,3 @@ def test_a_record_cut_short_by_a_killed_run_is_dropped_on_resume(tmp_path):
     with MetricsLogger(tmp_path, total_steps=4, enabled=True, start_step=2):
         pass
     assert (tmp_path / "metrics.jsonl").read_text() == complete
-
-
-def test_the_old_import_path_names_the_same_module():
-    import litegen.instruments.metrics as moved
-    import litegen.trainer.metrics as old
-
-    assert old is moved
-    assert old.MetricsLogger is MetricsLogger

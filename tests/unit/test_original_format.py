@@ -17,18 +17,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from litegen.config.sections import LoRAConfig
-from litegen.export import write_original_lora
 from litegen.families import key_map_for
 from litegen.families.flux import ORIGINAL_KEYS as FLUX_KEY_MAP
-from litegen.families.original_format import (
+from litegen.families.wan import ORIGINAL_KEYS as WAN_KEY_MAP
+from litegen.finetune.export import write_original_lora
+from litegen.lora import adapter_alpha_state, apply_lora
+from litegen.model_keys.original_format import (
     lora_from_original,
     lora_to_original,
     output_rows,
     weights_from_original,
     weights_to_original,
 )
-from litegen.families.wan import ORIGINAL_KEYS as WAN_KEY_MAP
-from litegen.lora import adapter_alpha_state, apply_lora
 from litegen.pretrained import load_component
 from tests.pipelines import tiny_pipeline_folder
 

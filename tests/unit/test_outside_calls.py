@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from litegen.blocks import repeated_blocks
+from litegen.model_parts.blocks import repeated_blocks
 from litegen.parallel.outside_calls import called_from_outside
 from litegen_zoo.real_models import REAL_MODELS
 from tests.distributed.models import TinyDiT

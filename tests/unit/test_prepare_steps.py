@@ -120,10 +120,10 @@ def test_fsdp2_plans_a_models_units_once_for_checkpointing_and_the_wrap(monkeypa
 
     def counted(model, cfg):
         planned.append(type(model).__name__)
-        return plan_units(model, cfg)
+        return select_wrap_units(model, cfg)
 
-    plan_units = fsdp2.plan_units
-    monkeypatch.setattr(fsdp2, "plan_units", counted)
+    select_wrap_units = fsdp2.select_wrap_units
+    monkeypatch.setattr(fsdp2, "select_wrap_units", counted)
     monkeypatch.setattr(fsdp2.Fsdp2Strategy, "unwrap_single_rank", False)
     config = MainConfig.from_dict(
         {

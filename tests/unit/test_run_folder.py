@@ -270,7 +270,7 @@ def test_a_run_name_that_leads_out_of_the_folder_is_refused_before_anything(
 
 def test_the_library_and_export_refuse_such_names_too():
     from litegen.checkpoint.files import checkpoint_path
-    from litegen.export import export_name
+    from litegen.finetune.export import export_name
 
     with pytest.raises(ValueError, match=r"exp_name '\.\./x' cannot name a file"):
         checkpoint_path("model", default_folder="ckpt", exp_name="../x")

@@ -12,7 +12,7 @@ from torch import nn
 
 from litegen.parallel.sequence import SequencePlan, plan_for, register_sequence_plan
 from litegen.parallel.sequence.comm import padded_length, shard
-from litegen.parallel.sequence.plan import matching
+from litegen.parallel.sequence.sequence_plan import matching
 
 
 class Attn(nn.Module):

@@ -140,7 +140,7 @@ def test_videos_become_an_mp4_grid_and_images_in_minus_one_to_one_a_png(tmp_path
 def test_a_sample_write_failing_midway_keeps_the_earlier_file(tmp_path, monkeypatch, kind):
     from PIL import Image as PILImage
 
-    from litegen.trainer import media
+    from litegen.trainer import sample_files as media
 
     if kind == "mp4":
         pytest.importorskip("av")
@@ -165,7 +165,7 @@ def test_a_sample_write_failing_midway_keeps_the_earlier_file(tmp_path, monkeypa
 
 
 def test_videos_become_a_gif_without_an_h264_encoder(tmp_path, monkeypatch):
-    from litegen.trainer import media
+    from litegen.trainer import sample_files as media
 
     monkeypatch.setattr(media, "MP4_CODEC", "no-such-encoder")
     gif = save_samples(torch.rand(2, 3, 5, 4, 4), tmp_path)[0]

@@ -25,8 +25,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from litegen_cli.failures import EXIT_BAD_INPUT
-from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe
+from litegen_cli.run_shape import derive_run_shape
 
 GIB = 2**30
 # The estimate leaves out the allocator's caching and fragmentation, so a peak this close to
@@ -141,7 +141,7 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
     from litegen.trainer.hooks import keyword_filter
 
     config = recipe.config
-    run_plan = derive_plan(recipe)
+    run_plan = derive_run_shape(recipe)
     dp_size = run_plan.dp_size
     on_meta = on_meta or _build_on_meta(recipe)
     module, built, names, kinds = on_meta.module, on_meta.built, on_meta.names, on_meta.kinds
@@ -183,7 +183,7 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
 def _frozen_weight_bytes(models: list[Any], optimization: Any) -> int:
     """Frozen models (a VAE, a text encoder) sit on the device whole, cast like the trained one."""
     from litegen.memory.peak_estimate import resident_weight_bytes
-    from litegen.precision import cast_model
+    from litegen.precision.dtypes import cast_model
 
     precision = optimization.precision
     total = 0

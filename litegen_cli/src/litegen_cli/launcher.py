@@ -27,8 +27,8 @@ from litegen_cli.failures import (
     root_failure,
 )
 from litegen_cli.lifeline import LAUNCHER_PID_ENV
-from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import LaunchSpec, Recipe
+from litegen_cli.run_shape import derive_run_shape
 
 RESOLVED_NAME = RESOLVED_RECIPE
 WORKER_MODULE = "litegen_cli.worker"
@@ -136,7 +136,7 @@ def launch(recipe: Recipe) -> Path:
 
         launch(load_recipe("recipes/digits_dit.yaml", ["max_steps=10"]))
     """
-    derive_plan(recipe)  # raises before anything is written or spawned
+    derive_run_shape(recipe)  # raises before anything is written or spawned
     results = Path(recipe.config.get_results_dir())
     if recipe.launch.node_rank != 0:  # node 0 owns the run folder and its resolved recipe
         private = Path(tempfile.mkdtemp(prefix=f"litegen-node{recipe.launch.node_rank}-"))

@@ -14,8 +14,8 @@ from typing import Any
 
 from rich.table import Table
 
-from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe
+from litegen_cli.run_shape import derive_run_shape
 
 MIB = 2**20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2}
@@ -49,7 +49,7 @@ def layout_report(model: Any, recipe: Recipe) -> LayoutReport | None:
     config = recipe.config
     parallel = config.optimization.parallel
     chosen = (parallel.sp_size, parallel.cp_size)
-    plan = derive_plan(recipe)
+    plan = derive_run_shape(recipe)
     ranks = chosen[0] * chosen[1] if chosen != (1, 1) else plan.world_size
     try:
         shapes = attention_shapes(model)

@@ -15,8 +15,8 @@ import typer
 from litegen_cli import render
 from litegen_cli.entry_check import input_problems
 from litegen_cli.failures import EXIT_BAD_INPUT
-from litegen_cli.plan import derive_plan
 from litegen_cli.recipe import Recipe, RecipeError, load_recipe
+from litegen_cli.run_shape import derive_run_shape
 
 
 def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
@@ -36,14 +36,14 @@ def load_or_exit(recipe_path: Path, overrides: list[str] | None) -> Recipe:
 
 
 def check_before_spawn(recipe: Recipe) -> None:
-    """The checks a loaded recipe passes before any rank starts: the run plan (job shape,
+    """The checks a loaded recipe passes before any rank starts: the run shape (job shape,
     strategy rules) and the entry's ``check_inputs(config)`` hook; RecipeError otherwise.
 
     Example::
 
         check_before_spawn(load_recipe(Path("recipe.yaml")))  # raises RecipeError
     """
-    derive_plan(recipe)
+    derive_run_shape(recipe)
     problems = input_problems(recipe.launch.entry, recipe.base_dir, recipe.config)
     if problems:
         raise RecipeError(problems)

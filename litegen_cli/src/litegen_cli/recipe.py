@@ -318,7 +318,7 @@ def recipe_from_data(
         problems.extend(_config_problems(exc))
 
     if problems or spec is None or config is None:
-        # Checked on the validated recipe by plan.derive_plan otherwise.
+        # Checked on the validated recipe by run_shape.derive_run_shape otherwise.
         problems += [p for p in _raw_layout_problems(data, raw_launch) if p not in problems]
         raise RecipeError(problems)
     # Absolute paths: the ranks, and a later `litegen resume` from any folder, use the same files.

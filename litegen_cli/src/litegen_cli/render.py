@@ -1,4 +1,4 @@
-"""Terminal output for the CLI: config trees, the run plan and error panels (rich only)."""
+"""Terminal output for the CLI: config trees, the run shape and error panels (rich only)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rich.tree import Tree
 
 from litegen.checkpoint.layout import STEP_DIR_GLOB
 from litegen_cli.failures import EXIT_BAD_INPUT, LaunchFailed, RankFailure
-from litegen_cli.plan import RunPlan
 from litegen_cli.recipe import Recipe, RecipeError
+from litegen_cli.run_shape import RunShape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -48,14 +48,14 @@ def config_tree(recipe: Recipe) -> Tree:
     return tree
 
 
-def plan_table(plan: RunPlan) -> Table:
-    """The derived plan as a two-column table.
+def run_shape_table(plan: RunShape) -> Table:
+    """The run shape as a two-column table.
 
     Example::
 
-        console.print(plan_table(derive_plan(recipe)))
+        console.print(run_shape_table(derive_run_shape(recipe)))
     """
-    table = Table(title="Run plan", show_header=False, title_justify="left")
+    table = Table(title="Run shape", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     rows = [

@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from litegen.config import Config, MainConfig
+from litegen.utils import moved_modules
+
+moved_modules.install()
 
 if TYPE_CHECKING:
     from litegen.runtime.litegen import LiteGen, initialize

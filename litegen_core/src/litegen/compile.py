@@ -85,9 +85,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from litegen.blocks import repeated_blocks
-from litegen.flop_counter import call_compiled
+from litegen.flops.counting import call_compiled
 from litegen.memory.block_forward import block_forward
+from litegen.model_parts.blocks import repeated_blocks
 
 log = logging.getLogger("litegen")
 
@@ -126,7 +126,7 @@ class _CompiledForward:
             for context in self.block_contexts:
                 settings.enter_context(context())
             # While the first step's FLOPs are counted, this runs compiled and counts the eager
-            # forward on fake tensors (litegen/flop_counter.py).
+            # forward on fake tensors (litegen/flops/counting.py).
             return call_compiled(self.compiled, self.original, args, kwargs)
 
 
@@ -252,7 +252,7 @@ def compile_blocks(
     """Compile the repeated blocks of ``model`` in place (module docstring); returns their paths.
 
     ``compile_cfg`` is an ``optimization.compile`` section (``mode``, ``dynamic``, ``options``).
-    ``paths`` overrides the blocks (default: :func:`litegen.blocks.repeated_blocks`; the whole
+    ``paths`` overrides the blocks (default: :func:`litegen.model_parts.blocks.repeated_blocks`; the whole
     model's ``forward`` when it has none).
     ``backend`` is for tests (``"aot_eager"`` skips inductor's C++/Triton code generation); runs
     use inductor. ``memory_budget`` in [0, 1] bounds what each compiled block saves for backward

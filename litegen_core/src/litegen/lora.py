@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.module_paths import clean_name
+from litegen.model_parts.paths import clean_name
 
 log = logging.getLogger("litegen")
 

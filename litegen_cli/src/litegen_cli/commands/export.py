@@ -1,5 +1,5 @@
 """`litegen export --from CKPT`: a fine-tuning run checkpoint exported as the end of the run
-does; ``litegen.export`` writes it."""
+does; ``litegen.finetune.export`` writes it."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def export(
     `<exp_name>[.ema].peft` and `<exp_name>[.ema].original.lora.safetensors` (ComfyUI). See
     docs/finetune.md.
     """
-    from litegen.export import export_checkpoint  # imports torch
+    from litegen.finetune.export import export_checkpoint  # imports torch
 
     try:
         written = export_checkpoint(checkpoint, out, ema=ema, pipeline=pipeline, original=original)

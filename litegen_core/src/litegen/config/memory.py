@@ -138,7 +138,7 @@ class MemoryConfig(Section):
     checkpointing alone cannot meet the budget."""
     mlp_chunk_tokens: int | None = Field(None, ge=1)
     """Linear-GELU(tanh)-Linear MLPs keep only their input for backward and run this many tokens
-    at a time, recomputing their hidden activation in backward (``litegen.memory.chunked_mlp``):
+    at a time, recomputing their hidden activation in backward (``litegen.memory.mlp_token_chunks``):
     for long sequences, where those wide activations set the peak; one more GEMM per MLP."""
     block_swap: BlockSwapConfig | None = None
     """Under LoRA, keep the frozen base weights of all but ``blocks_on_device`` repeated blocks

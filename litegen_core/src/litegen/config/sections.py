@@ -133,7 +133,7 @@ class PrecisionConfig(Section):
     allow_tf32: bool = True
     fp8_linear: Literal["tensorwise", "rowwise"] | None = None
     """FP8 matmuls in the trained model's ``nn.Linear`` layers through torchao's float8 recipes
-    (``litegen.fp8_training``; CUDA with compute capability 8.9+ and the ``torchao`` extra);
+    (``litegen.precision.fp8_training``; CUDA with compute capability 8.9+ and the ``torchao`` extra);
     elsewhere it steps aside with one warning. ``null``: off."""
 
 
@@ -217,5 +217,5 @@ class LoRAConfig(Section):
     ``transformer.*`` keys into ``pipe.transformer`` (``unet`` for U-Nets)."""
     fp8_base: Literal["tensorwise", "rowwise"] | None = None
     """Store the frozen ``nn.Linear`` weights of the adapted model in ``float8_e4m3fn`` with one
-    scale per tensor or per output row, dequantised per layer at use (``litegen.fp8_weights``);
+    scale per tensor or per output row, dequantised per layer at use (``litegen.precision.fp8_weights``);
     ``null`` keeps them in their dtype."""

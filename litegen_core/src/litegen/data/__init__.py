@@ -25,13 +25,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from litegen.data.buckets import BucketBatchSampler
     from litegen.data.device import to_device
     from litegen.data.loader import build_dataloader, pair_collate, prepare_data
     from litegen.data.media import MediaDataset
     from litegen.data.media_buckets import MediaBuckets
     from litegen.data.media_files import BadFile, MediaFile, media_paths, scan_media
     from litegen.data.sampler import GlobalBatchSampler
+    from litegen.data.shape_buckets import BucketBatchSampler
     from litegen.data.state import data_state, load_data_state
     from litegen.data.stream import RankStream, worker_share
     from litegen.data.user_sampler import RankBatchSampler
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # Each name's module, imported on first use: the media scan and the bucket rule import no
 # torch, so the CLI checks a media folder before any rank starts without loading it.
 _HOMES = {
-    "BucketBatchSampler": "buckets",
+    "BucketBatchSampler": "shape_buckets",
     "to_device": "device",
     "build_dataloader": "loader",
     "pair_collate": "loader",

@@ -27,8 +27,8 @@ from torch.utils.data import (
     default_collate,
 )
 
-from litegen.data.buckets import BucketBatchSampler
 from litegen.data.sampler import GlobalBatchSampler
+from litegen.data.shape_buckets import BucketBatchSampler
 from litegen.data.stream import RankStream, shards_itself
 from litegen.data.user_sampler import RankBatchSampler, is_rank_aware
 

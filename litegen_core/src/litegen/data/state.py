@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from litegen.data.buckets import BucketBatchSampler
 from litegen.data.sampler import GlobalBatchSampler
+from litegen.data.shape_buckets import BucketBatchSampler
 
 log = logging.getLogger("litegen")
 

@@ -1,4 +1,4 @@
-"""cuBLASLt GEMMs with a GELU epilogue, through ctypes (used by :mod:`litegen.experimental.gelu_mlp`).
+"""cuBLASLt GEMMs with a GELU epilogue, through ctypes (used by :mod:`litegen.experimental.fused_gelu_mlp_op`).
 
 torch's own GEMMs reach cuBLASLt's bias and GELU epilogues (``torch._addmm_activation``) but
 not the two a GELU MLP needs for training, which keep the activation out of its own kernels:

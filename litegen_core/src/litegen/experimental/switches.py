@@ -57,7 +57,7 @@ SWITCHES: tuple[Switch, ...] = (
         "fused_gelu_mlp",
         ("2.11",),
         "module_swap",
-        "litegen.experimental.mlp_fusion:apply_fused_gelu_mlp",
+        "litegen.experimental.fused_gelu_mlp:apply_fused_gelu_mlp",
         swaps="GELU MLPs",
         absent="no Linear-GELU(tanh)-Linear MLP that can be fused",
     ),

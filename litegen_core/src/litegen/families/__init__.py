@@ -22,7 +22,7 @@ import pkgutil
 from typing import Any
 
 from litegen.families.base import Family, LatentRules, MediaCondition
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 # This package's modules that declare no family: not imported by the registry (so the
 # registry stays torch-free whatever they import).

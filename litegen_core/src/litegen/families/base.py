@@ -24,13 +24,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from litegen.data import MediaBuckets
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch
 
     from litegen.objectives import FlowMatching
-    from litegen.parallel.sequence.plan import SequencePlan
+    from litegen.parallel.sequence.sequence_plan import SequencePlan
 
 
 @dataclasses.dataclass(frozen=True)

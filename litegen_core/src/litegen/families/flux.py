@@ -27,8 +27,8 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.families.key_map import KeyMap
 from litegen.families.packing import image_ids, pack, unpack
+from litegen.model_keys.key_map import KeyMap
 
 # Flux.1 (FluxTransformer2DModel) as Black Forest Labs' checkpoints name it. diffusers reads
 # LoRAs under this prefix only with lora_down/lora_up names (its sd-scripts converter);

@@ -68,7 +68,7 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch

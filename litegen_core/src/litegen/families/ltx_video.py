@@ -60,13 +60,13 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch
 
     from litegen.objectives import FlowMatching
-    from litegen.parallel.sequence.plan import SequencePlan
+    from litegen.parallel.sequence.sequence_plan import SequencePlan
 
 FRAME_RATE = 25  # the pipelines' default frame_rate: the time scale of the rotary embedding
 
@@ -222,7 +222,7 @@ class LTXVideo(Family):
         """The packed input (B, S, C), its rotary embedding (cos, sin: (B, S, D) each) and a
         per-token timestep (B, S) split; ``proj_out`` gathered; only ``attn1`` is
         self-attention (``attn2`` attends to the whole text)."""
-        from litegen.parallel.sequence.plan import SequencePlan, Split
+        from litegen.parallel.sequence.sequence_plan import SequencePlan, Split
 
         return SequencePlan(
             split_inputs={"": {"hidden_states": 1, "timestep": Split(1, ndim=2)}},

@@ -38,12 +38,12 @@ from litegen.families.base import (
     model_dtype,
     pipeline_settings,
 )
-from litegen.families.key_map import KeyMap
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch
 
-    from litegen.parallel.sequence.plan import SequencePlan
+    from litegen.parallel.sequence.sequence_plan import SequencePlan
 
 
 # Wan 2.1 / 2.2 (WanTransformer3DModel) as Wan-AI's checkpoints name it; q, k and v stay
@@ -185,7 +185,7 @@ class Wan(Family):
     def sequence_plan(cls, model: torch.nn.Module) -> SequencePlan:
         """Rotary embedding (1, S, 1, D) and block input split, ``proj_out`` gathered; a
         per-token timestep (B, S) is split too (Wan 2.2 TI2V)."""
-        from litegen.parallel.sequence.plan import SequencePlan, Split
+        from litegen.parallel.sequence.sequence_plan import SequencePlan, Split
 
         return SequencePlan(
             split_inputs={"": {"timestep": Split(1, ndim=2)}, "blocks.0": {"hidden_states": 1}},

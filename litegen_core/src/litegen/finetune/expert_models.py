@@ -310,7 +310,7 @@ def write_expert_exports(
     lora_prefix: str,
     write_one: Callable[..., Path],
 ) -> Path:
-    """The export of each trained expert (``write_one``: :func:`litegen.export.write_export`,
+    """The export of each trained expert (``write_one``: :func:`litegen.finetune.export.write_export`,
     which this module leaves to its callers to import). LoRA: ``out/<name>.high_noise.lora.safetensors`` (and
     ``.peft``, ``.original.lora.safetensors``) for ``transformer``, ``<name>.low_noise.*`` for
     ``transformer_2``. Full fine-tuning: ``out`` becomes the pipeline folder with the trained

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from litegen.checkpoint.layout import END_OF_RUN_DIRS
-from litegen.export import export_name, write_export
 from litegen.families import Family
 from litegen.finetune.expert_models import Experts, install_experts, write_expert_exports
+from litegen.finetune.export import export_name, write_export
 from litegen.finetune.pipeline import frozen_pipeline, pipeline_folder
 
 _, PIPELINE_DIR, LORA_DIR = END_OF_RUN_DIRS  # the exports of full fine-tuning and of LoRA
@@ -85,7 +85,7 @@ def sample(model: Any, gen: Any, config: Any, family: Family) -> torch.Tensor:
 
 
 def finish(gen: Any, config: Any, model: Any) -> None:
-    """Export (:func:`litegen.export.write_export`, as ``litegen export`` does from a
+    """Export (:func:`litegen.finetune.export.write_export`, as ``litegen export`` does from a
     checkpoint): the pipeline folder with the trained transformer, or the LoRA adapters."""
     use_ema = config.trainer.export_ema and gen.ema is not None
     lora = config.optimization.lora

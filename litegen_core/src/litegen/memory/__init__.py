@@ -14,19 +14,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import BlockForward, block_forward
 from litegen.memory.block_swap import BlockSwap, SwapStats
-from litegen.memory.budget import BudgetPlan, BudgetPlanner
+from litegen.memory.budget import BudgetChoice, BudgetChooser
 from litegen.memory.checkpointing import (
     checkpoint_modules,
     is_checkpointed,
     select_evenly,
     wrap_blocks,
 )
-from litegen.memory.chunked_mlp import apply_chunked_mlp
+from litegen.memory.mlp_token_chunks import apply_chunked_mlp
 from litegen.memory.offload import BLOCKS_IN_FLIGHT, ActivationOffloader, OffloadStats
 from litegen.memory.stats import format_peak_memory, peak_memory_since_last_call
+from litegen.model_parts.blocks import repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ __all__ = [
     "ActivationOffloader",
     "BlockForward",
     "BlockSwap",
-    "BudgetPlanner",
+    "BudgetChooser",
     "MemoryReport",
     "OffloadStats",
     "SwapStats",
@@ -60,7 +60,7 @@ class MemoryReport:
     offloader: ActivationOffloader | None = None
     memory_budget: float | None = None  # policy memory_budget: applied by compile_blocks
     offloaded: list[str] = field(default_factory=list)
-    planner: BudgetPlanner | None = None  # selective_ratio auto
+    planner: BudgetChooser | None = None  # selective_ratio auto
     chunked_mlps: int = 0  # mlp_chunk_tokens
     block_swap: BlockSwap | None = None  # block_swap: set by prepare once the model is wrapped
 
@@ -110,7 +110,7 @@ class MemoryReport:
             f"blocks (policy {self.policy}): {', '.join(self.checkpointed)}; {offload}"
         )
 
-    def _planned(self, plan: BudgetPlan) -> None:
+    def _planned(self, plan: BudgetChoice) -> None:
         self.checkpointed, self.offloaded = list(plan.checkpointed), list(plan.offloaded)
 
 
@@ -132,7 +132,7 @@ def apply_memory_optimizations(
     Offload (``activation_offload``) covers every candidate block but the last, whose saved
     tensors the backward needs first: checkpointed blocks' inputs, everything the other blocks
     save. With ``selective_ratio: auto`` every candidate is checkpointed for the first step and
-    a :class:`BudgetPlanner` sets the blocks from the second (``report.planner``).
+    a :class:`BudgetChooser` sets the blocks from the second (``report.planner``).
     ``mlp_chunk_tokens`` routes the model's GELU MLPs through :mod:`.chunked_mlp` first.
 
     Example:
@@ -199,7 +199,7 @@ def apply_memory_optimizations(
     report.checkpointed, report.offloaded = checkpointed, offloaded
     if auto and blocks:
         in_flight = report.offloader.blocks_in_flight if report.offloader else BLOCKS_IN_FLIGHT
-        report.planner = BudgetPlanner(
+        report.planner = BudgetChooser(
             blocks,
             budget_bytes=budget,
             budget_fraction=ac.memory_budget_fraction,
@@ -208,3 +208,10 @@ def apply_memory_optimizations(
             on_plan=report._planned,
         )
     return report
+
+
+def __getattr__(name: str) -> Any:
+    # Earlier names of this module's classes and functions, with a warning naming the new one.
+    from litegen.utils.moved_modules import renamed_attribute
+
+    return renamed_attribute(__name__, name)

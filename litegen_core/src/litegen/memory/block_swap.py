@@ -35,8 +35,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import _disable_current_modes
 
-from litegen.blocks import repeated_blocks
 from litegen.memory.block_forward import block_forward
+from litegen.model_parts.blocks import repeated_blocks
 
 
 @dataclass

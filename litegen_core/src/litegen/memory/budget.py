@@ -48,7 +48,7 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_leaves
 
 from litegen.memory.block_forward import BlockForward
-from litegen.memory.budget_estimate import BlockCost, BudgetPlan, candidate_plans, choose
+from litegen.memory.budget_estimate import BlockCost, BudgetChoice, candidate_choices, choose
 from litegen.memory.offload import BLOCKS_IN_FLIGHT
 
 log = logging.getLogger("litegen")
@@ -88,12 +88,12 @@ def _discard(_: Any) -> torch.Tensor:
     raise RuntimeError("a counting run of the budget planner has no backward")
 
 
-class BudgetPlanner:
+class BudgetChooser:
     """Measures the first step, then sets every candidate's checkpoint and offload switches.
 
     Example::
 
-        planner = BudgetPlanner(blocks, budget_bytes=40 * 2**30, may_offload=True)
+        planner = BudgetChooser(blocks, budget_bytes=40 * 2**30, may_offload=True)
         # step 1 runs every block checkpointed; from step 2, planner.plan holds the choice
     """
 
@@ -112,8 +112,8 @@ class BudgetPlanner:
         self.budget_fraction = budget_fraction
         self.may_offload = may_offload
         self.blocks_in_flight = blocks_in_flight
-        self.on_plan = on_plan  # called with the chosen BudgetPlan (the MemoryReport's update)
-        self.plan: BudgetPlan | None = None
+        self.on_plan = on_plan  # called with the chosen BudgetChoice (the MemoryReport's update)
+        self.plan: BudgetChoice | None = None
         self.budget: int | None = None
         self._measured = _Measurement({path: BlockCost() for path in blocks})
         self._paths = {id(block): path for path, block in blocks.items()}
@@ -254,7 +254,7 @@ class BudgetPlanner:
         return out
 
     # -- the plan ----------------------------------------------------------------------------
-    def decide(self) -> BudgetPlan:
+    def decide(self) -> BudgetChoice:
         """Choose and apply the plan from what the first step measured (module doc)."""
         for hook in self._hooks:
             hook.remove()
@@ -297,13 +297,18 @@ class BudgetPlanner:
         }
         offload = self.may_offload and cuda
         bandwidth = _copy_bandwidth(device) if offload else 0.0
-        plans = candidate_plans(costs, phases, block_s, bandwidth, offload, self.blocks_in_flight)
+        plans = candidate_choices(costs, phases, block_s, bandwidth, offload, self.blocks_in_flight)
         chosen, fits = choose(plans, budget)
         self._apply(chosen, budget, costs, max(phases.values()), fits)
         return chosen
 
     def _apply(
-        self, plan: BudgetPlan, budget: int, costs: dict[str, BlockCost], measured: int, fits: bool
+        self,
+        plan: BudgetChoice,
+        budget: int,
+        costs: dict[str, BlockCost],
+        measured: int,
+        fits: bool,
     ) -> None:
         for path, block in self.blocks.items():
             block.checkpoint = path in plan.checkpointed
@@ -354,4 +359,11 @@ def _copy_bandwidth(device: torch.device) -> float:
     return _BANDWIDTH_PROBE_BYTES / (start.elapsed_time(end) / 1e3)
 
 
-__all__ = ["BlockCost", "BudgetPlan", "BudgetPlanner", "candidate_plans", "choose"]
+__all__ = ["BlockCost", "BudgetChoice", "BudgetChooser", "candidate_choices", "choose"]
+
+
+def __getattr__(name: str) -> Any:
+    # Earlier names of this module's classes and functions, with a warning naming the new one.
+    from litegen.utils.moved_modules import renamed_attribute
+
+    return renamed_attribute(__name__, name)

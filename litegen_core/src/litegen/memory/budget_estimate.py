@@ -23,6 +23,7 @@ smallest estimate runs and a warning says by how much it misses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from litegen.memory.checkpointing import spread_evenly
 from litegen.memory.offload import BLOCKS_IN_FLIGHT
@@ -37,7 +38,7 @@ class BlockCost:
 
 
 @dataclass(frozen=True)
-class BudgetPlan:
+class BudgetChoice:
     """One choice: blocks checkpointed, blocks offloaded, its estimated peak and cost."""
 
     checkpointed: tuple[str, ...]
@@ -46,14 +47,14 @@ class BudgetPlan:
     cost_s: float
 
 
-def candidate_plans(
+def candidate_choices(
     costs: dict[str, BlockCost],
     peaks: dict[int, int],
     block_s: float,
     bandwidth: float,
     offload: bool,
     blocks_in_flight: int = BLOCKS_IN_FLIGHT,
-) -> list[BudgetPlan]:
+) -> list[BudgetChoice]:
     """Every plan: ``k`` = 0..n checkpointed blocks, without and (if allowed) with offload.
 
     ``costs`` are the candidates' in forward order; ``peaks`` maps a phase of the measured step
@@ -64,7 +65,7 @@ def candidate_plans(
     Example:
         >>> costs = {"b.0": BlockCost(100, 10), "b.1": BlockCost(100, 10)}
         >>> # the forward peaks at 1000, the end of backward (no block holding anything) at 1150
-        >>> plans = candidate_plans(costs, {2: 1000, 0: 1150}, 1.0, 0.0, offload=False)
+        >>> plans = candidate_choices(costs, {2: 1000, 0: 1150}, 1.0, 0.0, offload=False)
         >>> [p.estimate_bytes for p in plans]
         [1200, 1150, 1150]
     """
@@ -89,18 +90,20 @@ def candidate_plans(
             copy_s = sum(moved) / bandwidth if offloaded else 0.0
             cost = k * block_s + max(0.0, copy_s - n * block_s)  # copies beyond the forward
             plans.append(
-                BudgetPlan(checkpointed, tuple(p for p in paths if p in offloaded), estimate, cost)
+                BudgetChoice(
+                    checkpointed, tuple(p for p in paths if p in offloaded), estimate, cost
+                )
             )
     return plans
 
 
-def choose(plans: list[BudgetPlan], budget: int) -> tuple[BudgetPlan, bool]:
+def choose(plans: list[BudgetChoice], budget: int) -> tuple[BudgetChoice, bool]:
     """The cheapest plan within ``budget`` (fewer offloaded blocks break ties), and True; else
     the plan with the smallest estimate, and False.
 
     Example:
         >>> costs = {"b.0": BlockCost(100, 10), "b.1": BlockCost(100, 10)}
-        >>> plans = candidate_plans(costs, {2: 1000}, 1.0, 0.0, offload=False)
+        >>> plans = candidate_choices(costs, {2: 1000}, 1.0, 0.0, offload=False)
         >>> choose(plans, 1150)[0].checkpointed
         ('b.1',)
     """
@@ -108,3 +111,10 @@ def choose(plans: list[BudgetPlan], budget: int) -> tuple[BudgetPlan, bool]:
     if fitting:
         return min(fitting, key=lambda p: (p.cost_s, len(p.offloaded))), True
     return min(plans, key=lambda p: p.estimate_bytes), False
+
+
+def __getattr__(name: str) -> Any:
+    # Earlier names of this module's classes and functions, with a warning naming the new one.
+    from litegen.utils.moved_modules import renamed_attribute
+
+    return renamed_attribute(__name__, name)

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from litegen.config.memory import blocks_to_checkpoint
 from litegen.memory.block_forward import BlockForward, block_forward
-from litegen.module_paths import submodules_at
+from litegen.model_parts.paths import submodules_at
 
 aten = torch.ops.aten
 

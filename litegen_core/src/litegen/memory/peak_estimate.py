@@ -21,7 +21,7 @@ is in bytes, for one rank holding the whole model.
   checkpointing (``a``), its own inputs (``i``, kept when checkpointed) and its outputs (``o``).
   The ``ops_all`` and ``ops`` policies keep the block's matmul/attention outputs (all but the
   widening linears' for ``ops``) with its inputs. Like the budget planner
-  (:mod:`litegen.memory.budget_estimate`, whose ``candidate_plans`` does the sum), the step
+  (:mod:`litegen.memory.budget_estimate`, whose ``candidate_choices`` does the sum), the step
   is cut into phases, named by how many leading blocks still hold what they keep; with every
   block checkpointed::
 
@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from litegen.blocks import repeated_blocks
-from litegen.memory.budget_estimate import BlockCost, candidate_plans, choose
+from litegen.memory.budget_estimate import BlockCost, candidate_choices, choose
 from litegen.memory.offload import BLOCKS_IN_FLIGHT
 from litegen.memory.saved_bytes import SavedBytes, count_saved_bytes
+from litegen.model_parts.blocks import repeated_blocks
 
 SWAP_IN_FLIGHT = 2  # block swap: the block running and the one being fetched
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -232,7 +232,7 @@ def estimate_peak(
         peak = weights + state + grads + saved.outside_bytes
         return PeakEstimate(weights, grads, state, peak - weights - state - grads, peak, 0, 0, 0)
     offload = bool(memory.activation_offload) and len(paths) > 1  # never the last block
-    plans = candidate_plans(costs, peaks, 0.0, 1.0, offload, BLOCKS_IN_FLIGHT)
+    plans = candidate_choices(costs, peaks, 0.0, 1.0, offload, BLOCKS_IN_FLIGHT)
     if offload:  # a static choice offloads every candidate but the last
         plans = [p for p in plans if p.offloaded]
     auto = checkpointing and ac.selective_ratio == "auto"

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from litegen.blocks import repeated_blocks
 from litegen.checkpoint.files import save_state
 from litegen.config.strategies import requirement_problems, strategy_row
-from litegen.module_paths import clean_name
+from litegen.model_parts.blocks import repeated_blocks
+from litegen.model_parts.paths import clean_name
 from litegen.parallel.plan import ParallelPlan
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)

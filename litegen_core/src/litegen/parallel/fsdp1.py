@@ -1,6 +1,6 @@
 """FSDP1: ``FullyShardedDataParallel`` around each repeated block and around the root.
 
-Each detected block (``litegen.blocks.repeated_blocks``) becomes one flat-parameter unit, and so
+Each detected block (``litegen.model_parts.blocks.repeated_blocks``) becomes one flat-parameter unit, and so
 does each submodule of a block that the model calls from outside it (``parallel.outside_calls``);
 the root unit owns the rest (embeddings, final layers). ``use_orig_params=True`` keeps the user's
 parameter objects and names visible, so optimizers rebind by name, LR schedulers keep working,
@@ -32,10 +32,10 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from litegen.blocks import repeated_blocks
+from litegen.model_parts.blocks import repeated_blocks
 from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimizer
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
-from litegen.precision import DTYPES
+from litegen.precision.dtypes import DTYPES
 
 log = logging.getLogger("litegen")
 

@@ -35,8 +35,8 @@ from litegen.parallel.base import Strategy, broadcast_from_rank0, rebind_optimiz
 from litegen.parallel.mesh import dp_mesh, hsdp_mesh
 from litegen.parallel.outside_calls import called_from_outside, guard_outside_calls
 from litegen.parallel.plan import ParallelPlan
-from litegen.parallel.wrap import in_post_order, last_unit, plan_units
-from litegen.precision import fsdp2_mixed_policy
+from litegen.parallel.wrap import in_post_order, last_unit, select_wrap_units
+from litegen.precision.dtypes import fsdp2_mixed_policy
 
 log = logging.getLogger("litegen")
 
@@ -72,10 +72,13 @@ class Fsdp2Strategy(Strategy):
         return dp_mesh(self.plan)
 
     def planned_units(self, model: nn.Module) -> list[str]:
-        """``plan_units`` for ``model``, planned once: at :meth:`checkpoint_candidates`, before
+        """``select_wrap_units`` for ``model``, planned once: at :meth:`checkpoint_candidates`, before
         the memory savers and compile patch its blocks, and reused by :meth:`wrap_model`."""
         if id(model) not in self._units:
-            self._units[id(model)] = (model, plan_units(model, self.optimization.parallel.fsdp2))
+            self._units[id(model)] = (
+                model,
+                select_wrap_units(model, self.optimization.parallel.fsdp2),
+            )
         return list(self._units[id(model)][1])
 
     def trains_unwrapped(self) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from litegen.module_paths import is_under
+from litegen.model_parts.paths import is_under
 
 # One step of a chain from ``self``: an attribute, a constant index, or every child (a loop
 # variable over a module list, or an index that is not a constant).

@@ -2,7 +2,7 @@
 
 One plan function per ``optimization.parallel.fsdp2.wrap_strategy``, each ``(model, cfg) ->
 list[str]`` of dotted module paths. Each raises a ValueError saying what it searched for when it
-matches nothing, so a typo never silently degrades to "shard only the root". ``plan_units``
+matches nothing, so a typo never silently degrades to "shard only the root". ``select_wrap_units``
 then applies what every strategy shares: ``exclude_paths``, the empty-unit rule, and the
 bottom-up order ``fully_shard`` needs (a unit must be sharded before any unit around it).
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from litegen.blocks import repeated_blocks
-from litegen.module_paths import is_under, submodules_at
+from litegen.model_parts.blocks import repeated_blocks
+from litegen.model_parts.paths import is_under, submodules_at
 
 _FIELD = "optimization.parallel.fsdp2"
 
@@ -124,7 +124,7 @@ def plan_size_based(model: nn.Module, cfg: Any) -> list[str]:
             f"min_num_params={cfg.min_num_params} parameters and found none (the whole model "
             f"has {sum(p.numel() for p in model.parameters())}); lower min_num_params."
         )
-    # Registration order; plan_units puts children before parents where they nest.
+    # Registration order; select_wrap_units puts children before parents where they nest.
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(found, key=order.__getitem__)
 
@@ -197,7 +197,7 @@ def excluded_modules(model: nn.Module, cfg: Any) -> list[str]:
     return paths
 
 
-def plan_units(model: nn.Module, cfg: Any) -> list[str]:
+def select_wrap_units(model: nn.Module, cfg: Any) -> list[str]:
     """The sharding units for ``cfg.wrap_strategy``, in the order to shard them.
 
     Units under ``exclude_paths`` are dropped (``manual`` naming one is an error); units without
@@ -209,7 +209,7 @@ def plan_units(model: nn.Module, cfg: Any) -> list[str]:
         >>> dit = nn.ModuleDict({"time": nn.Linear(1, 8).requires_grad_(False),
         ...                      "blocks": nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8)})
         ...                                              for _ in range(3))})
-        >>> plan_units(dit, FSDP2Config(wrap_strategy="repeated"))
+        >>> select_wrap_units(dit, FSDP2Config(wrap_strategy="repeated"))
         ['blocks.0', 'blocks.1', 'blocks.2']
     """
     excluded = excluded_modules(model, cfg)
@@ -263,3 +263,10 @@ def last_unit(model: nn.Module, units: list[str]) -> str | None:
         if name in chosen:
             last = name
     return last
+
+
+def __getattr__(name: str) -> Any:
+    # Earlier names of this module's functions, with a warning naming the new one.
+    from litegen.utils.moved_modules import renamed_attribute
+
+    return renamed_attribute(__name__, name)

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from litegen.checkpoint import zero_state
 from litegen.optim import apply_backend, configure_optimizer, enable_master_weights
 from litegen.parallel.base import Strategy, broadcast_from_rank0
-from litegen.parallel.buckets import (
+from litegen.parallel.grad_buckets import (
     BucketedGradients,
     build_buckets,
     gather_params,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from litegen.ema import BufferMirror
-from litegen.parallel.buckets import Bucket
+from litegen.parallel.grad_buckets import Bucket
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

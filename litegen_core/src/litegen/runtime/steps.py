@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litegen.fp8_training import apply_fp8_training
-from litegen.fp8_weights import store_frozen_linears_in_fp8
 from litegen.lora import apply_lora, has_adapters, train_adapters
 from litegen.memory import BlockSwap, MemoryReport, apply_memory_optimizations
-from litegen.precision import cast_model
+from litegen.precision.dtypes import cast_model
+from litegen.precision.fp8_training import apply_fp8_training
+from litegen.precision.fp8_weights import store_frozen_linears_in_fp8
 
 if TYPE_CHECKING:
     from litegen.parallel.base import Strategy

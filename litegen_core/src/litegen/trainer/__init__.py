@@ -15,6 +15,6 @@ of them through ``**kwargs``). The optional ``sample`` and ``validate`` hooks ar
 from litegen.trainer.entry_run import run_entry
 from litegen.trainer.hooks import TrainingHooks, ema_weights
 from litegen.trainer.loop import StepResult, Trainer
-from litegen.trainer.media import save_samples
+from litegen.trainer.sample_files import save_samples
 
 __all__ = ["StepResult", "Trainer", "TrainingHooks", "ema_weights", "run_entry", "save_samples"]

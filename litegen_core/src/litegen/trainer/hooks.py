@@ -12,7 +12,7 @@ own weights being copied back bit for bit.
   whichever of the prepared parts, ``gen``, ``config``, ``step`` and ``out_dir``
   (``<results_dir>/samples/step_<N>/``) it asks for. What it returns (images ``(N, C, H, W)``
   or videos ``(N, C, T, H, W)``, values in [0, 1] or [-1, 1]) is saved by rank 0 as a PNG or
-  GIF grid (:func:`litegen.trainer.media.save_samples`); it may also write PNG or GIF files
+  GIF grid (:func:`litegen.trainer.sample_files.save_samples`); it may also write PNG or GIF files
   into ``out_dir`` itself (on rank 0). The loggers get every PNG and GIF there.
 - ``validate(**parts)`` runs on every rank (each on its part of a held-out set) with the
   model's own weights and returns a loss; the mean over ranks is logged as ``val_loss``.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from litegen.checkpoint.layout import SAMPLES_DIR
 from litegen.checkpoint.rng import capture_rng, restore_rng
 from litegen.runtime.litegen import LiteGen
-from litegen.trainer.media import MEDIA_SUFFIXES, save_samples
+from litegen.trainer.sample_files import MEDIA_SUFFIXES, save_samples
 
 
 def keyword_filter(

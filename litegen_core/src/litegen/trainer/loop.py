@@ -24,7 +24,7 @@ from litegen.checkpoint.layout import CONFIG, LAUNCH
 from litegen.checkpoint.save_checks import last_good_note
 from litegen.checkpoint.step_dirs import read_config_text
 from litegen.data import to_device
-from litegen.flops import StepThroughput
+from litegen.flops.throughput import StepThroughput
 from litegen.instruments.loss_guard import LossGuard
 from litegen.instruments.metrics import MetricsLogger
 from litegen.instruments.readback import Readback
@@ -127,7 +127,7 @@ class Trainer:
             gen.device, note=lambda: last_good_note(self.run_checkpoints.last_good())
         )
         self._resume_checked = False
-        # tokens/s and MFU in the logs (litegen/flops.py); FLOPs are counted on the first training step.
+        # tokens/s and MFU in the logs (litegen/flops/throughput.py); FLOPs are counted on the first training step.
         self.throughput = StepThroughput(
             gen.unwrap(self.models[0]) if self.models else None,
             device=gen.device,

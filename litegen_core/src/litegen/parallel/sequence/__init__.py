@@ -24,8 +24,8 @@ from litegen.parallel.sequence.apply import (
     compile_context,
     sequence_parallel_off,
 )
-from litegen.parallel.sequence.plan import SequencePlan, Split
-from litegen.parallel.sequence.plans import plan_for, register_sequence_plan
+from litegen.parallel.sequence.builtin_plans import plan_for, register_sequence_plan
+from litegen.parallel.sequence.sequence_plan import SequencePlan, Split
 
 __all__ = [
     "SequenceParallel",

@@ -37,7 +37,7 @@ from litegen.parallel.sequence.attention import (
     sharded_attention_class,
 )
 from litegen.parallel.sequence.comm import gather, padded_length, shard
-from litegen.parallel.sequence.plan import SequencePlan, Split, as_split, matching
+from litegen.parallel.sequence.sequence_plan import SequencePlan, Split, as_split, matching
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from litegen.parallel.sequence.plan import SequencePlan, Split
+from litegen.parallel.sequence.sequence_plan import SequencePlan, Split
 
 CP_PLAN = "_cp_plan"
 TEXT_PREFIXES = ("encoder_", "txt_", "text")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from litegen.parallel.sequence.plan import matching
+from litegen.parallel.sequence.sequence_plan import matching
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def attention_shapes(model: nn.Module) -> list[AttentionShape]:
 
         attention_shapes(wan)[0]  # AttentionShape(path='blocks.0.attn1', heads=12, hidden=1536)
     """
-    from litegen.parallel.sequence.plans import plan_for
+    from litegen.parallel.sequence.builtin_plans import plan_for
 
     shapes = []
     for pattern in plan_for(model).attention:

@@ -11,7 +11,7 @@ A run that trains the transformer of a pipeline folder (``finetune.pipeline``) e
 * its LoRA adapters (a LoRA run): ``<name>.lora.safetensors`` in diffusers' layout, which
   ``pipe.load_lora_weights`` loads, the peft folder ``<name>.peft``, which
   ``PeftModel.from_pretrained`` loads, and, for a transformer whose original layout LiteGen
-  knows (:mod:`litegen.families.original_format`), ``<name>.original.lora.safetensors`` in
+  knows (:mod:`litegen.model_keys.original_format`), ``<name>.original.lora.safetensors`` in
   that layout with alpha kept, which ComfyUI's LoRA loaders and ``pipe.load_lora_weights``
   read.
 
@@ -39,10 +39,10 @@ from litegen.checkpoint.files import check_model_state, replace_dir, save_state
 from litegen.checkpoint.interop import write_diffusers_folder
 from litegen.checkpoint.step_dirs import read_config_text, read_metadata, resolve_checkpoint
 from litegen.families import KeyMap, key_map_for, original_format_classes
-from litegen.families.original_format import lora_to_original, output_rows, weights_to_original
 from litegen.finetune.experts import EXPERTS, pipeline_boundary
 from litegen.lora import adapter_alpha_state, adapter_file_state, has_adapters, save_peft_folder
-from litegen.module_paths import clean_name
+from litegen.model_keys.original_format import lora_to_original, output_rows, weights_to_original
+from litegen.model_parts.paths import clean_name
 from litegen.pretrained import check_pipeline_folder, load_component
 
 log = logging.getLogger("litegen")
@@ -119,7 +119,7 @@ def write_original_lora(
     transformer: nn.Module, state: Mapping[str, torch.Tensor], path: Path
 ) -> Path | None:
     """Write ``transformer``'s adapters in its original checkpoint's layout to ``path``
-    (:func:`litegen.families.original_format.lora_to_original`), alpha kept. None, with a
+    (:func:`litegen.model_keys.original_format.lora_to_original`), alpha kept. None, with a
     logged reason and nothing written, when LiteGen knows no original layout for its class or
     an adapted module has no original counterpart: the diffusers-format files are the export
     then, and a finished run does not fail over the extra file.

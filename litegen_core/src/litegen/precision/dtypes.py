@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from litegen.module_paths import is_under, submodules_at
+from litegen.model_parts.paths import is_under, submodules_at
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

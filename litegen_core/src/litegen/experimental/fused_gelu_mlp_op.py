@@ -14,7 +14,7 @@ It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). The pair is o
 (``litegen::gelu_mlp``, with its backward op), opaque to ``torch.compile``, with FLOP formulas
 so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inputs, or when
 cuBLASLt does not serve a shape, the same ops run with torch's kernels.
-:mod:`litegen.experimental.mlp_fusion` routes a model's MLPs through it.
+:mod:`litegen.experimental.fused_gelu_mlp` routes a model's MLPs through it.
 
 Example::
 

@@ -1,6 +1,6 @@
 """How a family's original checkpoint names the modules of its diffusers transformer: the
 :class:`KeyMap` each family module declares as its ``original_keys``. Torch-free, so the family
-registry loads without torch; :mod:`litegen.families.original_format` holds the converters.
+registry loads without torch; :mod:`litegen.model_keys.original_format` holds the converters.
 
 Each entry names a module of the original checkpoint and the diffusers modules whose output
 rows it stacks, in the original's row order: one for a plain rename, several where the original

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from litegen.parallel.sequence.plan import PLAN_ATTRIBUTE, SequencePlan
+from litegen.parallel.sequence.sequence_plan import PLAN_ATTRIBUTE, SequencePlan
 
 
 def hunyuan_video(model: nn.Module) -> SequencePlan:
@@ -128,7 +128,7 @@ def register_sequence_plan(cls: type, plan: PlanSource) -> None:
 
 
 def plan_for(model: nn.Module) -> SequencePlan:
-    """The plan of ``model`` (in the order :mod:`litegen.parallel.sequence.plan` gives, then
+    """The plan of ``model`` (in the order :mod:`litegen.parallel.sequence.sequence_plan` gives, then
     one read from a diffusers ``_cp_plan``: :mod:`.diffusers_cp`), checked against it;
     ValueError if none.
 

@@ -1,10 +1,10 @@
 """Route a model's GELU MLPs through the fused op (``optimization.experimental.fused_gelu_mlp``).
 
-:func:`apply_fused_gelu_mlp` changes only the MLPs :func:`litegen.gelu_mlps.gelu_mlp_linears`
+:func:`apply_fused_gelu_mlp` changes only the MLPs :func:`litegen.model_parts.mlp_routing.gelu_mlp_linears`
 proves compute exactly ``fc2(gelu_tanh(fc1(x)))`` (diffusers' ``FeedForward`` with
 ``gelu-approximate``, timm's ``Mlp``, a ``Linear, GELU(tanh), Linear`` Sequential), routing them
-through :func:`litegen.experimental.gelu_mlp.gelu_mlp` with the class swap of
-:mod:`litegen.gelu_mlps`: the module tree, parameter names and ``state_dict`` keys stay the
+through :func:`litegen.experimental.fused_gelu_mlp_op.gelu_mlp` with the class swap of
+:mod:`litegen.model_parts.mlp_routing`: the module tree, parameter names and ``state_dict`` keys stay the
 user's, and an MLP changed since (an FSDP unit around one of its linears, a hook) runs its own
 forward again.
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from litegen.experimental.gelu_mlp import gelu_mlp
-from litegen.gelu_mlps import call_routed, route_gelu_mlps, routed_forward
+from litegen.experimental.fused_gelu_mlp_op import gelu_mlp
+from litegen.model_parts.mlp_routing import call_routed, route_gelu_mlps, routed_forward
 
 
 def _fused_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -1,4 +1,4 @@
-"""The derived run plan: world size, the (data-parallel x ring x Ulysses) mesh, per-rank
+"""The run shape: world size, the (data-parallel x ring x Ulysses) mesh, per-rank
 micro batch and sequence length.
 
 Computed from the recipe alone (no torch, no process group), so a bad batch size or degree is
@@ -26,7 +26,7 @@ AUTO_DEVICE = "auto (cuda if available, else cpu)"
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class RunShape:
     """What one launch will do, in numbers."""
 
     world_size: int
@@ -58,15 +58,15 @@ def _get(section: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def derive_plan(recipe: Recipe) -> RunPlan:
-    """Derive the plan; raise RecipeError when the batch does not split evenly over ranks.
+def derive_run_shape(recipe: Recipe) -> RunShape:
+    """Derive the run shape; raise RecipeError when the batch does not split evenly over ranks.
 
     Example:
         >>> from pathlib import Path
         >>> from litegen_cli.recipe import load_recipe
         >>> _ = Path("entry.py").write_text("def build(config): ...\\ndef train_step(batch): ...\\n")
         >>> _ = Path("recipe.yaml").write_text("launch: {entry: entry.py}\\nglobal_batch_size: 8\\n")
-        >>> plan = derive_plan(load_recipe("recipe.yaml", ["launch.nproc_per_node=2"]))
+        >>> plan = derive_run_shape(load_recipe("recipe.yaml", ["launch.nproc_per_node=2"]))
         >>> plan.world_size, plan.micro_batch
         (2, 4)
     """
@@ -94,7 +94,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
 
     device = _get(_get(cfg, "runtime", None), "device", None)
     tokens = _get(trainer, "tokens_per_sample", None)
-    return RunPlan(
+    return RunShape(
         memory=_memory(_get(_get(cfg, "optimization", None), "memory", None)),
         weights=_weights(_get(cfg, "optimization", None)),
         world_size=world,
@@ -111,7 +111,7 @@ def derive_plan(recipe: Recipe) -> RunPlan:
 
 
 def _memory(memory: Any) -> str:
-    """Activation checkpointing and offload as the plan table shows them."""
+    """Activation checkpointing and offload as the run shape table shows them."""
     ac = _get(memory, "activation_checkpoint", None)
     parts = []
     if _get(ac, "enabled", False):
@@ -151,7 +151,7 @@ def _checkpointed(ac: Any) -> str:
 
 
 def _weights(optimization: Any) -> str:
-    """Where parameters and optimizer state live and in which precision, as the plan shows it."""
+    """Where parameters and optimizer state live and in which precision, as the run shape table shows it."""
     parts = []
     parallel = _get(optimization, "parallel", None)
     strategy = str(_get(parallel, "strategy", DEFAULT_STRATEGY))

@@ -14,8 +14,8 @@ whose layers carry hooks, parametrizations (weight norm) or a patched ``forward`
 routed forward would skip them.
 
 :func:`route_gelu_mlps` swaps a matched module's class for a subclass whose ``forward`` is the
-given function (the fused op of ``litegen.experimental.mlp_fusion``, the chunked recompute of
-``litegen.memory.chunked_mlp``). A class swap, not an instance ``forward``, so every block's MLP
+given function (the fused op of ``litegen.experimental.fused_gelu_mlp``, the chunked recompute of
+``litegen.memory.mlp_token_chunks``). A class swap, not an instance ``forward``, so every block's MLP
 keeps one class and the blocks still share one compiled graph; the module tree, parameter names
 and ``state_dict`` keys stay the user's. A routed forward (:func:`call_routed`) checks the MLP
 again at every call and runs the original forward when it has changed since (an FSDP unit

@@ -2,7 +2,7 @@
 converters they drive: LoRA files that ComfyUI and diffusers' own converters read, and full
 transformer weights as one original-format safetensors file.
 
-A family states its map once, as one :class:`~litegen.families.key_map.KeyMap` (its
+A family states its map once, as one :class:`~litegen.model_keys.key_map.KeyMap` (its
 ``original_keys``). Each entry names a module of the
 original checkpoint and the diffusers modules whose output rows it stacks, in the original's
 row order: one for a plain rename, several where the original fuses projections into one
@@ -20,7 +20,7 @@ adapter) and alpha is set so that ``alpha / rank`` stays the trained scale. The 
 such a block-diagonal adapter back into the parts' own adapters.
 
     from litegen.families import key_map_for
-    from litegen.families.original_format import lora_to_original, output_rows
+    from litegen.model_keys.original_format import lora_to_original, output_rows
 
     original = lora_to_original(adapters, key_map_for("FluxTransformer2DModel"),
                                 rows=output_rows(transformer))
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from litegen.families.key_map import KeyMap, Part, compiled, lookup
+from litegen.model_keys.key_map import KeyMap, Part, compiled, lookup
 
 
 def output_rows(model: nn.Module) -> dict[str, int]:

@@ -11,7 +11,7 @@ that runs, including frozen encoders in ``train_step`` and, with activation chec
 recomputed forward, so then the figure is hardware FLOPs utilisation; give
 ``flops_per_sample()`` for strict model FLOPs.
 
-Counting runs compiled regions compiled (:mod:`litegen.flop_counter`).
+Counting runs compiled regions compiled (:mod:`litegen.flops.counting`).
 
 Peak FLOP/s: ``trainer.peak_tflops`` when set, else :data:`PEAK_TFLOPS` by device name (dense
 bf16). For H200 we use 790 TFLOP/s, the bf16 matmul rate measured on our H200s, not the 989 of
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from litegen.flop_counter import FlopCounter
+from litegen.flops.counting import FlopCounter
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ Example (a DiT whose blocks take ``x`` and whose ``head`` produces the output)::
         )
 
 A model gets its plan from, in order: a plan registered for its class
-(:func:`litegen.parallel.sequence.plans.register_sequence_plan`), its ``litegen_sp_plan``
+(:func:`litegen.parallel.sequence.builtin_plans.register_sequence_plan`), its ``litegen_sp_plan``
 attribute (a plan, or a method returning one, for plans that depend on the model's
-configuration), LiteGen's built-in plans (:mod:`litegen.parallel.sequence.plans`, which
+configuration), LiteGen's built-in plans (:mod:`litegen.parallel.sequence.builtin_plans`, which
 looks them up: ``plan_for``).
 """
 

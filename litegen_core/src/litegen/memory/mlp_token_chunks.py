@@ -15,7 +15,7 @@ Results equal the plain MLP's up to the rounding of summing the weight gradients
 
 The op is opaque to ``torch.compile`` (a custom op), so inductor keeps the chunks as they are.
 :func:`apply_chunked_mlp` routes a model's Linear-GELU(tanh)-Linear MLPs through it
-(:mod:`litegen.gelu_mlps`); ``apply_memory_optimizations`` calls it.
+(:mod:`litegen.model_parts.mlp_routing`); ``apply_memory_optimizations`` calls it.
 
 Example:
     >>> from torch import nn
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
-from litegen.gelu_mlps import call_routed, route_gelu_mlps, routed_forward
+from litegen.model_parts.mlp_routing import call_routed, route_gelu_mlps, routed_forward
 
 _CHUNK_ATTR = "_litegen_mlp_chunk_tokens"
 
@@ -152,7 +152,7 @@ def is_chunked(module: nn.Module) -> bool:
 def apply_chunked_mlp(model: nn.Module, chunk_tokens: int) -> int:
     """Route every Linear-GELU(tanh)-Linear MLP of ``model`` through :func:`chunked_gelu_mlp`.
 
-    The MLPs matched are those of :func:`litegen.gelu_mlps.gelu_mlp_linears` (diffusers'
+    The MLPs matched are those of :func:`litegen.model_parts.mlp_routing.gelu_mlp_linears` (diffusers'
     ``FeedForward`` with ``gelu-approximate``: DiT, PixArt, Wan, CogVideoX, LTX-Video); MLPs
     already routed elsewhere (the fused GELU MLP) are left alone. In place; calling it again
     sets the new chunk size. Returns how many MLPs are chunked.

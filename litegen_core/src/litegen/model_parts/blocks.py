@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from litegen.module_paths import is_under
+from litegen.model_parts.paths import is_under
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
