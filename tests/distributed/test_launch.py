@@ -113,3 +113,33 @@ def test_failing_worker_exits_1_with_short_message(tmp_path):
     assert "exit code 1: RuntimeError: boom from the failing fixture" in out
     # The launcher's own torch traceback (ChildFailedError) is replaced by the summary.
     assert "ChildFailedError" not in out
+
+
+def test_the_console_shows_each_event_once_and_no_library_notices(tmp_path):
+    """Each rank raises the same warnings (tests/fixtures/noisy_entry.py): the console shows a
+    library's log warning, a plain Python warning and LiteGen's deprecated-field warning once,
+    LiteGen's log warning once per rank, tagged, and neither a library's deprecation notice nor
+    its advisory line; no line twice, and no torchrun banner."""
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        from noisy_entry import EVENTS
+    finally:
+        sys.path.remove(str(FIXTURES))
+    recipe = write_recipe(tmp_path, "noisy_entry.py")
+    code, out = finish(litegen("launch", recipe, cwd=tmp_path))
+    assert code == 0, out[-4000:]
+    console = " ".join(out.split())  # rich wraps long lines
+    counts = {name: console.count(text) for name, text in EVENTS.items()}
+    assert counts == {
+        "library_notice": 0,
+        "advice": 0,
+        "library_log": 1,
+        "plain": 1,
+        "litegen_field": 1,
+        "litegen_log": 2,
+    }, out
+    assert "[rank 0] " + EVENTS["litegen_log"] in console
+    assert "[rank 1] " + EVENTS["litegen_log"] in console
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    assert len(lines) == len(set(lines)), out
+    assert "OMP_NUM_THREADS" not in out and "step 4/4" in out
