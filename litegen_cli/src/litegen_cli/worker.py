@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         from litegen.runtime.distributed import DistEnv
         from litegen_cli.rank_console import configure_rank_console
 
-        configure_rank_console(DistEnv.from_environ().rank)
+        configure_rank_console(DistEnv.from_environ().rank, results_dir)
 
         if args.cache_report is not None:
             from litegen_cli.cache_build import fill_rank_share
