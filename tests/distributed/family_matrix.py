@@ -1,6 +1,7 @@
 """The cases of the family matrix (tests/distributed/test_family_matrix.py) and what each case
 runs and reads back: one `litegen launch` of a fine-tuning recipe on a family's tiny pipeline,
-the transformer outputs its exports are compared on, and the family's declared limits.
+the parts it trains (the transformer, or each expert of a two-expert pipeline), the outputs its
+exports are compared on, and the family's declared limits.
 
 Every family of the registry (:func:`litegen.families.families`) and every conditioning it
 takes join the matrix by themselves: nothing here names a family.
@@ -45,6 +46,8 @@ SHORT = (
     "trainer.validation.width=32",
 )
 VIDEO = ("finetune.data.max_frames=9", "trainer.validation.frames=9")
+# A two-expert run trains one expert per step: global seed 1 draws both in 4 steps (checked).
+TWO_EXPERTS = ("global_seed=1",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,11 @@ class Case:
         conditions = media_conditions(self.family_class)
         needed = [name for name, condition in conditions.items() if not condition.optional]
         return tuple(sorted({*self.given, *needed}))
+
+    @property
+    def two_experts(self) -> bool:
+        """A two-expert family (Wan 2.2 A14B): ``transformer`` and ``transformer_2`` train."""
+        return len(self.family_class.trained) > 1
 
     def condition_kinds(self, names: tuple[str, ...]) -> dict[str, str]:
         """``image`` or ``video``, by condition name."""
@@ -137,6 +145,16 @@ def full_cases() -> list[Case]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """What a run trains and exports apart: its transformer, or one expert of a two-expert
+    pipeline, with the name part of that expert's exports and a noise level it serves."""
+
+    component: str  # the pipeline component: transformer, transformer_2
+    label: str  # "" for a lone transformer, ".high_noise" or ".low_noise" for an expert
+    sigma: float  # the noise level its outputs are compared at
+
+
 @dataclasses.dataclass
 class Run:
     """A finished launch: its case, folders and the overrides it ran with."""
@@ -165,6 +183,39 @@ class Run:
         entry = open_cache(self.config, family, dataset).get(cache_keys(dataset)[0])
         assert entry is not None, f"the run's cache lacks {dataset.files[0].path}"
         return {name: value[None].float() for name, value in entry.items()}
+
+    @functools.cached_property
+    def boundary(self) -> float | None:
+        """The pipeline's ``boundary_ratio`` (two experts); None for one transformer."""
+        from litegen.finetune.experts import pipeline_boundary
+
+        index = json.loads((self.pipeline / "model_index.json").read_text(encoding="utf-8"))
+        return pipeline_boundary(index)
+
+    @property
+    def parts(self) -> list[Part]:
+        """The transformer, or the high-noise expert (compared above the boundary) and the
+        low-noise one (below it)."""
+        from litegen.finetune.experts import expert_label
+
+        if self.boundary is None:
+            return [Part("transformer", "", 0.5)]
+        return [
+            Part(component, f".{expert_label(component)}", sigma)
+            for component, sigma in (
+                ("transformer", (1 + self.boundary) / 2),
+                ("transformer_2", self.boundary / 2),
+            )
+        ]
+
+    def drawn_experts(self) -> set[str]:
+        """The experts (``high``, ``low``) the run's steps trained."""
+        from litegen.finetune.expert_models import expert_schedule
+        from litegen.finetune.pipeline import make_objective, read_json
+
+        schedule = expert_schedule(self.config, read_json(self.pipeline / "model_index.json"))
+        objective = make_objective(self.config)
+        return {schedule.expert_at(s, objective) for s in range(1, self.config.max_steps + 1)}
 
     def losses(self) -> list[float]:
         lines = (self.results / "metrics.jsonl").read_text().splitlines()
@@ -214,6 +265,7 @@ def launch(case: Case, pipeline: Path, media: Path, cache_root: Path, results: P
         *validation_files(results.parent, sampled_with),
         *SHORT,
         *(VIDEO if case.family_class.latent.is_video else ()),
+        *(TWO_EXPERTS if case.two_experts else ()),
         f"optimization.parallel.strategy={case.strategy}",
         f"exp_name={case.exp_name}",
         f"finetune.pipeline={pipeline}",
@@ -240,32 +292,57 @@ def launch(case: Case, pipeline: Path, media: Path, cache_root: Path, results: P
 
 # -- what the exports are compared on --------------------------------------------------------
 @torch.no_grad()
-def outputs(run: Run, transformer: torch.nn.Module) -> torch.Tensor:
+def outputs(run: Run, transformer: torch.nn.Module, sigma: float = 0.5) -> torch.Tensor:
     """``transformer``'s prediction through the family's training forward, on the first cached
-    sample noised to sigma 0.5 (fixed noise)."""
+    sample noised to ``sigma`` (fixed noise)."""
     from litegen.finetune.pipeline import pipeline_family
 
     batch = run.batch
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
-    sigmas = torch.tensor([0.5])
-    noisy = 0.5 * batch["latents"] + 0.5 * noise
+    noisy = (1 - sigma) * batch["latents"] + sigma * noise
+    sigmas = torch.tensor([sigma])
     return pipeline_family(run.config).predict(transformer.eval(), noisy, sigmas, batch)
 
 
-def trained_lora_transformer(run: Run, file: str) -> torch.nn.Module:
-    """A fresh transformer of the tiny folder with the run's adapters from ``file`` (a file the
-    trainer wrote), through LiteGen's own loader."""
+def trained_lora_parts(run: Run, file: str) -> dict[str, torch.nn.Module]:
+    """Fresh transformers of the tiny folder (each trained part's, by component) with the
+    run's adapters from ``file`` (a file the trainer wrote), through LiteGen's own loader."""
     from litegen.checkpoint.files import load_state
+    from litegen.finetune.expert_models import experts_of
     from litegen.lora import apply_lora, model_keyed
     from litegen.pretrained import load_component
 
     lora = run.config.optimization.lora
-    model = apply_lora(load_component(run.pipeline, "transformer"), lora)
+    if run.boundary is None:
+        model = apply_lora(load_component(run.pipeline, "transformer"), lora)
+    else:  # both experts as the run held them, so the file's keys match
+        model = experts_of(run.pipeline, ("high", "low"), lora, run.boundary * 1000)
     path = run.results / file
     adapters = model_keyed(model, load_state(path), lora.prefix, path)
     missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected and not [k for k in missing if ".lora_" in k]
-    return model
+    return {"transformer": model} if run.boundary is None else dict(model.named_children())
+
+
+def part_state(run: Run, state: Mapping[str, Any], part: Part, prefix: str = "") -> dict:
+    """The entries of a state keyed as the run's model (weights, or adapters under the key
+    prefix ``prefix``, such as ``transformer.``) that are ``part``'s, keyed as its own model's."""
+    if run.boundary is None:
+        return dict(state)
+    head = f"{prefix}{part.component}."
+    return {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
+
+
+def load_lora_into(pipe: Any, path: Path, part: Part) -> None:
+    """``pipe.load_lora_weights`` of ``path`` into ``part``'s component (a low-noise expert:
+    ``load_into_transformer_2``)."""
+    if not hasattr(pipe, "load_lora_weights"):
+        # A pipeline without diffusers' LoRA loader mixin (HunyuanVideo 1.5): its model's.
+        getattr(pipe, part.component).load_lora_adapter(str(path), prefix="transformer")
+    elif part.component == "transformer_2":
+        pipe.load_lora_weights(str(path), load_into_transformer_2=True)
+    else:
+        pipe.load_lora_weights(str(path))
 
 
 def diffusers_pipeline(run: Run) -> Any:
@@ -293,6 +370,7 @@ __all__ = [
     "STRATEGIES",
     "TEXT",
     "Case",
+    "Part",
     "Run",
     "assert_same_state",
     "conditionings",
@@ -300,9 +378,11 @@ __all__ = [
     "full_cases",
     "launch",
     "limit",
+    "load_lora_into",
     "lora_cases",
     "make_media",
     "media_conditions",
     "outputs",
-    "trained_lora_transformer",
+    "part_state",
+    "trained_lora_parts",
 ]

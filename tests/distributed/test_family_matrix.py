@@ -16,6 +16,10 @@ with. Per run, by numbers:
   EMA weights, and `litegen export --original` writes one file that the transformer class's
   `from_single_file` reads back with the same weights.
 
+A two-expert family (Wan 2.2 A14B) is checked per expert: each expert's adapters or weights,
+and its exports (`<exp>.ema.high_noise.*`, `<exp>.ema.low_noise.*` loaded with
+`load_into_transformer_2=True`), compared at a noise level the expert serves.
+
 What diffusers cannot read of a family's tiny pipeline is skipped with the reason the family
 declares (`Family.tiny_export_limits`); a family without an original key map skips its
 original-format checks, saying so.
@@ -40,16 +44,19 @@ from typer.testing import CliRunner
 
 from tests.distributed.family_matrix import (
     Case,
+    Part,
     Run,
     assert_same_state,
     diffusers_pipeline,
     full_cases,
     launch,
     limit,
+    load_lora_into,
     lora_cases,
     make_media,
     outputs,
-    trained_lora_transformer,
+    part_state,
+    trained_lora_parts,
 )
 from tests.pipelines import tiny_pipeline_folder
 
@@ -139,37 +146,51 @@ def check_trained_and_sampled(run: Run) -> None:
             assert (png.height, png.width) == grid
 
 
+def check_every_expert_trained(run: Run) -> None:
+    """A two-expert run trains one expert per step: its steps drew both."""
+    if run.boundary is not None:
+        assert run.drawn_experts() == {"high", "low"}, "pick a global_seed that draws both"
+
+
 def test_lora_run_trains_and_samples(lora_run: Run) -> None:
     check_trained_and_sampled(lora_run)
-    # peft starts every lora_B at zero: each moved, in the model and in its EMA.
+    check_every_expert_trained(lora_run)
+    # peft starts every lora_B at zero: each moved, in the model and in its EMA, per part.
+    prefix = f"{lora_run.config.optimization.lora.prefix}."
     for suffix in ("lora", "ema.lora"):
         adapters = load_file(lora_run.results / f"{lora_run.case.exp_name}.{suffix}.safetensors")
-        ups = {k: v for k, v in adapters.items() if ".lora_B." in k}
-        assert ups and all(v.count_nonzero() for v in ups.values()), suffix
+        for part in lora_run.parts:
+            own = part_state(lora_run, adapters, part, prefix)
+            ups = {k: v for k, v in own.items() if ".lora_B." in k}
+            assert ups and all(v.count_nonzero() for v in ups.values()), (suffix, part)
 
 
 def test_full_run_trains_and_samples(full_run: Run) -> None:
     from litegen.pretrained import load_component
 
     check_trained_and_sampled(full_run)
-    base = load_component(full_run.pipeline, "transformer").state_dict()
-    ema = torch.load(full_run.results / f"{full_run.case.exp_name}.ema.pth", weights_only=True)
-    assert ema.keys() == base.keys()
-    assert any(not torch.equal(ema[k], v) for k, v in base.items())
+    check_every_expert_trained(full_run)
+    ema = ema_weights(full_run)
+    for part in full_run.parts:
+        base = load_component(full_run.pipeline, part.component).state_dict()
+        own = part_state(full_run, ema, part)
+        assert own.keys() == base.keys()
+        assert any(not torch.equal(own[k], v) for k, v in base.items()), part
 
 
 # -- LoRA exports -----------------------------------------------------------------------------
-def trained_and_base(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outputs of the run's EMA adapters (the trainer's own file, LiteGen's loader) and of
-    the base transformer; the adapters must change them."""
+def trained_outputs(run: Run) -> dict[str, torch.Tensor]:
+    """The outputs of the run's EMA adapters (the trainer's own file, LiteGen's loader), per
+    trained component, at a noise level it serves; each differs from the base model's."""
     from litegen.pretrained import load_component
 
-    trained = outputs(
-        run, trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
-    )
-    base = outputs(run, load_component(run.pipeline, "transformer"))
-    assert (trained - base).abs().max() > MOVED
-    return trained, base
+    trained = trained_lora_parts(run, f"{run.case.exp_name}.ema.lora.safetensors")
+    out = {}
+    for part in run.parts:
+        out[part.component] = outputs(run, trained[part.component], part.sigma)
+        base = outputs(run, load_component(run.pipeline, part.component), part.sigma)
+        assert (out[part.component] - base).abs().max() > MOVED, part
+    return out
 
 
 def test_lora_exports_load_in_diffusers_and_peft_as_trained(lora_run: Run) -> None:
@@ -177,47 +198,54 @@ def test_lora_exports_load_in_diffusers_and_peft_as_trained(lora_run: Run) -> No
 
     from litegen.pretrained import load_component
 
-    trained, _ = trained_and_base(lora_run)
+    trained = trained_outputs(lora_run)
     folder, name = lora_run.results / "lora", f"{lora_run.case.exp_name}.ema"
     pipe = diffusers_pipeline(lora_run)
-    if hasattr(pipe, "load_lora_weights"):
-        pipe.load_lora_weights(str(folder / f"{name}.lora.safetensors"))
-    else:  # a pipeline without diffusers' LoRA loader mixin (HunyuanVideo 1.5): its model's
-        pipe.transformer.load_lora_adapter(
-            str(folder / f"{name}.lora.safetensors"), prefix="transformer"
-        )
-    torch.testing.assert_close(outputs(lora_run, pipe.transformer), trained, **TOLERANCE)
-    base = load_component(lora_run.pipeline, "transformer")
-    through_peft = PeftModel.from_pretrained(base, str(folder / f"{name}.peft"))
-    torch.testing.assert_close(outputs(lora_run, through_peft), trained, **TOLERANCE)
+    for part in lora_run.parts:
+        load_lora_into(pipe, folder / f"{name}{part.label}.lora.safetensors", part)
+    for part in lora_run.parts:
+        got = outputs(lora_run, getattr(pipe, part.component), part.sigma)
+        torch.testing.assert_close(got, trained[part.component], **TOLERANCE)
+        base = load_component(lora_run.pipeline, part.component)
+        through_peft = PeftModel.from_pretrained(base, str(folder / f"{name}{part.label}.peft"))
+        got = outputs(lora_run, through_peft, part.sigma)
+        torch.testing.assert_close(got, trained[part.component], **TOLERANCE)
 
 
 def test_original_lora_loads_in_diffusers_as_trained(lora_run: Run) -> None:
     case = lora_run.case
-    path = lora_run.results / "lora" / f"{case.exp_name}.ema.original.lora.safetensors"
+    folder = lora_run.results / "lora"
+    paths = {
+        part: folder / f"{case.exp_name}.ema{part.label}.original.lora.safetensors"
+        for part in lora_run.parts
+    }
     if case.family_class.original_keys is None:
-        assert not path.exists()
+        assert not [path for path in paths.values() if path.exists()]
         pytest.skip(f"{case.family} has no original key map (Family.original_keys)")
-    assert path.is_file()
-    trained, _ = trained_and_base(lora_run)
+    assert all(path.is_file() for path in paths.values())
+    trained = trained_outputs(lora_run)
     reason = limit(case, "original_lora")
     if reason:
         # What can be checked without diffusers: LiteGen's inverse gives the trained adapters.
-        check_original_lora_round_trip(lora_run, path)
+        for part, path in paths.items():
+            check_original_lora_round_trip(lora_run, part, path)
         pytest.skip(f"{case.family}: {reason}")
     pipe = diffusers_pipeline(lora_run)
-    pipe.load_lora_weights(str(path))
-    torch.testing.assert_close(outputs(lora_run, pipe.transformer), trained, **TOLERANCE)
+    for part, path in paths.items():
+        load_lora_into(pipe, path, part)
+    for part in lora_run.parts:
+        got = outputs(lora_run, getattr(pipe, part.component), part.sigma)
+        torch.testing.assert_close(got, trained[part.component], **TOLERANCE)
 
 
-def check_original_lora_round_trip(run: Run, path: Path) -> None:
+def check_original_lora_round_trip(run: Run, part: Part, path: Path) -> None:
     """The original-format file read back by LiteGen's inverse converter adds to each module
     what the trained adapters add (``alpha / rank * B @ A``; a fused module may read back at
     the fused rank, its unadapted parts with zero deltas)."""
     from litegen.lora import adapter_alpha_state
     from litegen.model_keys.original_format import lora_from_original, output_rows
 
-    model = trained_lora_transformer(run, f"{run.case.exp_name}.ema.lora.safetensors")
+    model = trained_lora_parts(run, f"{run.case.exp_name}.ema.lora.safetensors")[part.component]
     want = deltas(adapter_alpha_state(model, model.state_dict()))
     rows = output_rows(model)
     got = deltas(
@@ -250,8 +278,11 @@ def test_full_pipeline_export_loads_in_diffusers_as_trained(full_run: Run) -> No
 
     unloaded = {name: None for name in full_run.case.family_class.unloaded_components}
     exported = DiffusionPipeline.from_pretrained(full_run.results / "pipeline", **unloaded)
-    assert type(exported.transformer).__name__ == full_run.case.family_class.transformer_class
-    assert_same_state(exported.transformer.state_dict(), ema_weights(full_run))
+    ema = ema_weights(full_run)
+    for part in full_run.parts:
+        transformer = getattr(exported, part.component)
+        assert type(transformer).__name__ == full_run.case.family_class.transformer_class
+        assert_same_state(transformer.state_dict(), part_state(full_run, ema, part))
 
 
 def test_full_original_export_loads_with_from_single_file(full_run: Run, tmp_path: Path) -> None:
@@ -269,20 +300,28 @@ def test_full_original_export_loads_with_from_single_file(full_run: Run, tmp_pat
         app, ["export", "--from", str(step), "--original", "--out", str(out)]
     )
     assert result.exit_code == 0, result.output
-    files = list(out.glob("*.original.safetensors"))
-    assert [f.name for f in files] == [f"{case.exp_name}.ema.original.safetensors"]
-    reason = limit(case, "original_weights")
-    if reason:
-        # What can be checked without diffusers: LiteGen's inverse gives the trained weights.
-        from litegen.model_keys.original_format import output_rows, weights_from_original
-        from litegen.pretrained import load_component
-
-        rows = output_rows(load_component(full_run.pipeline, "transformer"))
-        back = weights_from_original(load_file(files[0]), family.original_keys, rows=rows)
-        assert_same_state(back, ema_weights(full_run))
-        pytest.skip(f"{case.family}: {reason}")
-    cls = getattr(diffusers, family.transformer_class)
-    loaded = cls.from_single_file(
-        str(files[0]), config=str(full_run.pipeline / "transformer"), local_files_only=True
+    files = {part: out / f"{case.exp_name}.ema{part.label}.original.safetensors"
+             for part in full_run.parts}  # fmt: skip
+    assert sorted(f.name for f in out.glob("*.original.safetensors")) == sorted(
+        f.name for f in files.values()
     )
-    assert_same_state(loaded.state_dict(), ema_weights(full_run))
+    ema = ema_weights(full_run)
+    reason = limit(case, "original_weights")
+    for part, file in files.items():
+        want = part_state(full_run, ema, part)
+        if reason:
+            # What can be checked without diffusers: LiteGen's inverse gives the trained weights.
+            from litegen.model_keys.original_format import output_rows, weights_from_original
+            from litegen.pretrained import load_component
+
+            rows = output_rows(load_component(full_run.pipeline, part.component))
+            back = weights_from_original(load_file(file), family.original_keys, rows=rows)
+            assert_same_state(back, want)
+            continue
+        cls = getattr(diffusers, family.transformer_class)
+        loaded = cls.from_single_file(
+            str(file), config=str(full_run.pipeline / part.component), local_files_only=True
+        )
+        assert_same_state(loaded.state_dict(), want)
+    if reason:
+        pytest.skip(f"{case.family}: {reason}")

@@ -42,10 +42,11 @@ def write_recipe(tmp_path: Path, entry: str, launch: dict | None = None, **extra
     return path
 
 
-def litegen(*args: str | Path, cwd: Path) -> subprocess.Popen:
-    """Start `litegen ...` as its own process, as a user (or srun) would."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
+def litegen(*args: str | Path, cwd: Path, omp_threads: bool = True) -> subprocess.Popen:
+    """Start `litegen ...` as its own process, as a user (or srun) would; without
+    ``omp_threads``, OMP_NUM_THREADS unset (torchrun then sets it, with a banner)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMP_NUM"))}
+    env.update(COLUMNS="200", **({"OMP_NUM_THREADS": "1"} if omp_threads else {}))
     return subprocess.Popen(
         [sys.executable, "-m", "litegen_cli.app", *map(str, args)],
         cwd=cwd,
@@ -113,3 +114,31 @@ def test_failing_worker_exits_1_with_short_message(tmp_path):
     assert "exit code 1: RuntimeError: boom from the failing fixture" in out
     # The launcher's own torch traceback (ChildFailedError) is replaced by the summary.
     assert "ChildFailedError" not in out
+
+
+def test_the_console_shows_each_event_once_and_no_library_notices(tmp_path):
+    """Each rank raises the same warnings (tests/fixtures/noisy_entry.py): the console shows
+    rank 0's once (a library's log warning, a plain Python warning, LiteGen's deprecated-field
+    warning and log warning), rank 1's go to its log file, and neither shows a library's
+    deprecation notice or advisory line; no line twice, and no torchrun banner."""
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        from noisy_entry import EVENTS
+    finally:
+        sys.path.remove(str(FIXTURES))
+    recipe = write_recipe(tmp_path, "noisy_entry.py")
+    code, out = finish(litegen("launch", recipe, cwd=tmp_path, omp_threads=False))
+    assert code == 0, out[-4000:]
+    console = " ".join(out.split())  # rich wraps long lines
+    counts = {name: console.count(text) for name, text in EVENTS.items()}
+    shown = {"library_log": 1, "plain": 1, "litegen_field": 1, "litegen_log": 1}
+    assert counts == {"library_notice": 0, "advice": 0, **shown}, out
+    assert "[rank 0] " + EVENTS["litegen_log"] in console
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    assert len(lines) == len(set(lines)), out
+    assert "OMP_NUM_THREADS" not in out and "step 4/4" in out
+    rank_1 = (tmp_path / "results" / "logs" / "rank_1.log").read_text()
+    assert "[rank 1] " + EVENTS["litegen_log"] in rank_1
+    for name in ("plain", "litegen_field"):
+        assert rank_1.count(EVENTS[name]) == 1, rank_1
+    assert EVENTS["library_notice"] not in rank_1 and EVENTS["advice"] not in rank_1

@@ -10,7 +10,6 @@ into one message for the user; the traceback goes to ``<results_dir>/logs/rank_<
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import warnings
@@ -52,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         results_dir = recipe.config.get_results_dir()
 
         from litegen.runtime.distributed import DistEnv
+        from litegen_cli.rank_console import configure_rank_console
 
-        _configure_logging(DistEnv.from_environ().rank)
+        configure_rank_console(DistEnv.from_environ().rank, results_dir)
 
         if args.cache_report is not None:
             from litegen_cli.cache_build import fill_rank_share
@@ -81,19 +81,6 @@ def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _configure_logging(rank: int) -> None:
-    """LiteGen's INFO lines (what was checkpointed, compiled, resumed) from rank 0 only;
-    warnings from every rank, tagged with it."""
-    from rich.logging import RichHandler
-
-    handler = RichHandler(show_path=False, show_time=False, markup=False)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
-    logger = logging.getLogger("litegen")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logger.propagate = False
 
 
 if __name__ == "__main__":

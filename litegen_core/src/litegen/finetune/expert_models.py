@@ -309,12 +309,16 @@ def write_expert_exports(
     name: str,
     lora_prefix: str,
     write_one: Callable[..., Path],
+    write_original: Callable[..., Path] | None = None,
 ) -> Path:
     """The export of each trained expert (``write_one``: :func:`litegen.finetune.export.write_export`,
     which this module leaves to its callers to import). LoRA: ``out/<name>.high_noise.lora.safetensors`` (and
     ``.peft``, ``.original.lora.safetensors``) for ``transformer``, ``<name>.low_noise.*`` for
     ``transformer_2``. Full fine-tuning: ``out`` becomes the pipeline folder with the trained
-    experts written and the other components linked. Call on one process.
+    experts written and the other components linked; with ``write_original``
+    (:func:`litegen.finetune.export.write_original_weights`) each expert is also written in its original
+    layout, ``out/<name>.high_noise.original.safetensors`` and ``<name>.low_noise.*``, as ComfyUI
+    loads each expert. Call on one process.
 
     Example::
 
@@ -345,6 +349,9 @@ def write_expert_exports(
             shutil.copy2(part, partial / part.name)
     for component, module in experts.named_children():
         write_diffusers_folder(module, expert_state(state, component), partial / component)
+        if write_original is not None:
+            file = f"{name}.{expert_label(component)}.original.safetensors"
+            write_original(module, expert_state(state, component), partial / file)
     return replace_dir(partial, out)
 
 

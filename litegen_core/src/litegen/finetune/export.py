@@ -234,7 +234,8 @@ def export_checkpoint(
     ``ema``: the EMA weights (default: the run's ``trainer.export_ema`` when it kept an EMA).
     ``pipeline``: the pipeline folder the run fine-tuned (default: its ``finetune.pipeline``, or
     ``model.pretrained`` for runs of earlier versions).
-    ``original``: a full fine-tune also writes its transformer in the original layout.
+    ``original``: a full fine-tune also writes its transformer (each trained expert) in the
+    original layout.
     Raises ``ValueError`` or ``FileNotFoundError`` naming the path and the fix.
 
     Example::
@@ -283,8 +284,11 @@ def export_checkpoint(
         trained = tuple(expert for expert in EXPERTS if expert in named)
         experts = experts_of(folder, trained, lora or None, pipeline_boundary(index) * 1000)
         state = checkpoint_weights(model_dir, experts, ema=use_ema)
+        if original and not lora:
+            _original_key_map(next(experts.children()))  # refused before anything is written
         return write_expert_exports(experts, state, folder, out, name=name, lora_prefix=prefix,
-                                    write_one=write_export)  # fmt: skip
+                                    write_one=write_export,
+                                    write_original=write_original_weights if original else None)  # fmt: skip
     transformer = load_component(folder, TRAINED)
     if lora:
         from litegen.lora import apply_lora
