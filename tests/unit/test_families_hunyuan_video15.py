@@ -2,8 +2,10 @@
 pipeline's with exactly the system message dropped, its latents decode as the pipeline decodes
 them, its training forward is the pipeline's transformer call (zero image-to-video channels
 and vision tokens, untrimmed text), and its diffusers-format LoRA loads through the
-transformer's own ``load_lora_adapter`` with the trained outputs. There is no original-format
-map: diffusers has no converter to check one against."""
+transformer's own ``load_lora_adapter`` with the trained outputs. Its original-format LoRA and
+full weights (Tencent's names, the token refiner's q/k/v fused) read back through LiteGen's
+inverse converters give the trained outputs; diffusers reads neither form, so the map is
+checked against diffusers' conversion script by hand (docs/families.md)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,15 @@ import torch
 
 from litegen.config.sections import LoRAConfig
 from litegen.families import family_for_pipeline, family_for_transformer, key_map_for
-from litegen.families.hunyuan_video15 import HunyuanVideo15
+from litegen.families.hunyuan_video15 import ORIGINAL_KEYS, HunyuanVideo15
 from litegen.finetune.export import write_export
 from litegen.lora import apply_lora
+from litegen.model_keys.original_format import (
+    lora_from_original,
+    output_rows,
+    weights_from_original,
+    weights_to_original,
+)
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -32,10 +40,10 @@ def tiny_transformer(seed: int = 0) -> torch.nn.Module:
     return diffusers.HunyuanVideo15Transformer3DModel(**HunyuanVideo15.tiny_config).eval()
 
 
-def test_the_registry_finds_hunyuan_video15_and_it_has_no_original_key_map():
+def test_the_registry_finds_hunyuan_video15_and_its_original_key_map():
     assert family_for_pipeline("HunyuanVideo15Pipeline") is HunyuanVideo15
     assert family_for_transformer("HunyuanVideo15Transformer3DModel") is HunyuanVideo15
-    assert key_map_for("HunyuanVideo15Transformer3DModel") is None
+    assert key_map_for("HunyuanVideo15Transformer3DModel") is ORIGINAL_KEYS
     assert HunyuanVideo15.sequence_plan(tiny_transformer()) is None
 
 
@@ -145,7 +153,8 @@ def test_the_diffusers_lora_loads_in_the_transformer_as_trained(tmp_path):
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     out = write_export(trained, trained.state_dict(), "unused", tmp_path, name="run")
-    assert sorted(p.name for p in out.iterdir()) == ["run.lora.safetensors", "run.peft"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["run.lora.safetensors", "run.original.lora.safetensors", "run.peft"]
     cached, sigmas, family = batch(), torch.tensor([0.5, 0.5]), HunyuanVideo15()
     fresh = tiny_transformer()
     with torch.no_grad():
@@ -155,3 +164,73 @@ def test_the_diffusers_lora_loads_in_the_transformer_as_trained(tmp_path):
         fresh.load_lora_adapter(str(out / "run.lora.safetensors"), prefix="transformer")
         got = family.predict(fresh, cached["latents"], sigmas, cached)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def merge(model: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` with each adapter's ``alpha / rank * lora_B @ lora_A`` added to its weight."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for key, down in adapters.items():
+            module, sep, _ = key.partition(".lora_A.weight")
+            if sep:
+                up, alpha = adapters[f"{module}.lora_B.weight"], adapters[f"{module}.alpha"]
+                weight = state[f"{module}.weight"]
+                delta = float(alpha) / down.shape[0] * (up.flatten(1) @ down.flatten(1))
+                weight += delta.view_as(weight)
+    return model
+
+
+def test_the_original_lora_reads_back_with_the_trained_outputs(tmp_path):
+    from safetensors.torch import load_file
+
+    trained = tiny_transformer()
+    apply_lora(trained, LoRAConfig(rank=4, alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    out = write_export(trained, trained.state_dict(), "unused", tmp_path, name="run")
+    original = load_file(out / "run.original.lora.safetensors")
+    refiner = "diffusion_model.txt_in.individual_token_refiner.blocks.0."
+    assert original[f"{refiner}self_attn_qkv.lora_A.weight"].shape == (12, 32)  # q, k, v fused
+    assert original[f"{refiner}self_attn_qkv.lora_B.weight"].shape == (96, 12)
+    assert float(original[f"{refiner}self_attn_qkv.alpha"]) == 24  # alpha / rank kept at 2
+    assert "diffusion_model.double_blocks.1.img_attn_q.lora_B.weight" in original
+    assert "diffusion_model.final_layer.adaLN_modulation.1.lora_A.weight" in original
+    back = lora_from_original(original, ORIGINAL_KEYS, rows=output_rows(tiny_transformer()))
+    cached, sigmas, family = batch(), torch.tensor([0.3, 0.8]), HunyuanVideo15()
+    with torch.no_grad():
+        want = family.predict(trained, cached["latents"], sigmas, cached)
+        base = family.predict(tiny_transformer(), cached["latents"], sigmas, cached)
+        got = family.predict(merge(tiny_transformer(), back), cached["latents"], sigmas, cached)
+    assert (want - base).abs().max() > 1e-2  # the adapters do something
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_original_weights_read_back_with_the_same_outputs(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_transformer(seed=3)
+    with torch.no_grad():  # modulation and norms away from their initial values
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    original = weights_to_original(model.state_dict(), ORIGINAL_KEYS)
+    assert original["txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"].shape == (
+        96, 32)  # fmt: skip
+    # Tencent's final modulation is (shift, scale), diffusers' norm_out.linear (scale, shift).
+    scale_shift = model.norm_out.linear.weight
+    assert torch.equal(
+        original["final_layer.adaLN_modulation.1.weight"], scale_shift.roll(32, dims=0)
+    )
+    save_file({k: v.contiguous() for k, v in original.items()}, tmp_path / "hy.safetensors")
+    back = weights_from_original(
+        load_file(tmp_path / "hy.safetensors"), ORIGINAL_KEYS, rows=output_rows(model)
+    )
+    fresh = tiny_transformer(seed=4)
+    fresh.load_state_dict(back, strict=True)
+    cached, sigmas, family = batch(), torch.tensor([0.3, 0.8]), HunyuanVideo15()
+    with torch.no_grad():
+        want = family.predict(model, cached["latents"], sigmas, cached)
+        got = family.predict(fresh, cached["latents"], sigmas, cached)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

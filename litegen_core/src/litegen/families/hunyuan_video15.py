@@ -15,12 +15,17 @@ pipeline gives them) and vision embeddings (zeros for text-to-video: the transfo
 out; one zero token stands for the pipeline's 729, which changes nothing). Validation samples
 use the pipeline's guider (classifier-free guidance at ``trainer.validation.guidance``).
 
-Limits: no original-format key map (``original_keys = None``): diffusers 0.42.1 has no
-converter for HunyuanVideo 1.5 LoRA files or checkpoints to check one against, and its
-pipeline has no ``load_lora_weights``; the diffusers-format LoRA loads with the transformer's
-own ``load_lora_adapter``. No sequence-parallel plan: the video tokens attend jointly with the
-reordered text tokens, as in HunyuanVideo's built-in plan, so one is feasible (split the video
-tokens and their rotary table, keep the text whole, gather ``proj_out``) but not written.
+Original format: Tencent's HunyuanVideo-1.5 module names (``double_blocks.{i}.img_attn_q``,
+``txt_in.individual_token_refiner``, ``byt5_in``...), q, k, v separate in the double blocks
+and fused in the token refiner's ``self_attn_qkv``; the final modulation is (shift, scale).
+diffusers 0.42.1 reads neither form back (no LoRA converter, no ``load_lora_weights`` on the
+pipeline, no ``from_single_file`` for this transformer): the map is checked against diffusers'
+``scripts/convert_hunyuan_video1_5_to_diffusers.py`` (docs/families.md), and the
+diffusers-format LoRA loads with the transformer's own ``load_lora_adapter``.
+
+Limits: no sequence-parallel plan: the video tokens attend jointly with the reordered text
+tokens, as in HunyuanVideo's built-in plan, so one is feasible (split the video tokens and
+their rotary table, keep the text whole, gather ``proj_out``) but not written.
 
 The tiny pipeline's tokenizer is trained offline with the system message, so the dropped
 template is Qwen's 108 tokens exactly; its ByT5 tokenizer needs no vocabulary file.
@@ -37,6 +42,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from litegen.families.base import Family, LatentRules, model_dtype
+from litegen.model_keys.key_map import KeyMap
 
 if TYPE_CHECKING:
     import torch
@@ -48,12 +54,86 @@ def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, tor
     return embeds[:, :length], mask[:, :length]
 
 
+# HunyuanVideo15Transformer3DModel as Tencent's HunyuanVideo-1.5 checkpoints name it.
+ORIGINAL_KEYS = KeyMap(
+    modules={
+        "img_in.proj": ("x_embedder.proj",),
+        "time_in.mlp.0": ("time_embed.timestep_embedder.linear_1",),
+        "time_in.mlp.2": ("time_embed.timestep_embedder.linear_2",),
+        "time_r_in.mlp.0": ("time_embed.timestep_embedder_r.linear_1",),  # use_meanflow
+        "time_r_in.mlp.2": ("time_embed.timestep_embedder_r.linear_2",),
+        "cond_type_embedding": ("cond_type_embed",),
+        "vision_in.proj.0": ("image_embedder.norm_in",),
+        "vision_in.proj.1": ("image_embedder.linear_1",),
+        "vision_in.proj.3": ("image_embedder.linear_2",),
+        "vision_in.proj.4": ("image_embedder.norm_out",),
+        "byt5_in.layernorm": ("context_embedder_2.norm",),
+        "byt5_in.fc1": ("context_embedder_2.linear_1",),
+        "byt5_in.fc2": ("context_embedder_2.linear_2",),
+        "byt5_in.fc3": ("context_embedder_2.linear_3",),
+        "txt_in.input_embedder": ("context_embedder.proj_in",),
+        "txt_in.t_embedder.mlp.0": ("context_embedder.time_text_embed.timestep_embedder.linear_1",),
+        "txt_in.t_embedder.mlp.2": ("context_embedder.time_text_embed.timestep_embedder.linear_2",),
+        "txt_in.c_embedder.linear_1": ("context_embedder.time_text_embed.text_embedder.linear_1",),
+        "txt_in.c_embedder.linear_2": ("context_embedder.time_text_embed.text_embedder.linear_2",),
+        **{
+            f"txt_in.individual_token_refiner.blocks.{{i}}.{original}": tuple(
+                f"context_embedder.token_refiner.refiner_blocks.{{i}}.{module}"
+                for module in modules
+            )
+            for original, modules in {
+                "norm1": ("norm1",),
+                "self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                "self_attn_proj": ("attn.to_out.0",),
+                "norm2": ("norm2",),
+                "mlp.fc1": ("ff.net.0.proj",),
+                "mlp.fc2": ("ff.net.2",),
+                "adaLN_modulation.1": ("norm_out.linear",),
+            }.items()
+        },
+        **{
+            f"double_blocks.{{i}}.{original}": (f"transformer_blocks.{{i}}.{module}",)
+            for original, module in {
+                "img_mod.linear": "norm1.linear",
+                "txt_mod.linear": "norm1_context.linear",
+                "img_attn_q": "attn.to_q",
+                "img_attn_k": "attn.to_k",
+                "img_attn_v": "attn.to_v",
+                "img_attn_q_norm": "attn.norm_q",
+                "img_attn_k_norm": "attn.norm_k",
+                "img_attn_proj": "attn.to_out.0",
+                "txt_attn_q": "attn.add_q_proj",
+                "txt_attn_k": "attn.add_k_proj",
+                "txt_attn_v": "attn.add_v_proj",
+                "txt_attn_q_norm": "attn.norm_added_q",
+                "txt_attn_k_norm": "attn.norm_added_k",
+                "txt_attn_proj": "attn.to_add_out",
+                "img_mlp.fc1": "ff.net.0.proj",
+                "img_mlp.fc2": "ff.net.2",
+                "txt_mlp.fc1": "ff_context.net.0.proj",
+                "txt_mlp.fc2": "ff_context.net.2",
+            }.items()
+        },
+        "final_layer.linear": ("proj_out",),
+        # Tencent's final modulation is (shift, scale); diffusers' norm_out.linear (scale, shift).
+        "final_layer.adaLN_modulation.1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),
+    },
+)
+
+
 class HunyuanVideo15(Family):
     """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL and ByT5 glyph embeddings, 16x VAE."""
 
     name = "hunyuan_video15"
     pipeline_class = "HunyuanVideo15Pipeline"
     transformer_class = "HunyuanVideo15Transformer3DModel"
+    original_keys = ORIGINAL_KEYS
+    tiny_export_limits: ClassVar[dict[str, str]] = {
+        "original_lora": "diffusers 0.42 has no HunyuanVideo 1.5 LoRA converter and its "
+        "pipeline no load_lora_weights",
+        "original_weights": "diffusers 0.42's from_single_file does not know "
+        "HunyuanVideo15Transformer3DModel",
+    }
     frozen = ("vae", "text_encoder", "text_encoder_2")
     latent = LatentRules(
         spatial_compression=16,
