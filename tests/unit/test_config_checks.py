@@ -55,27 +55,27 @@ def ignored(data: dict) -> list[str]:
 
 def test_options_the_strategy_ignores_warn_with_option_and_strategy():
     lines = ignored(
-        {"optimization": {"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}}}  # ddp
+        {"optimization": {"precision": {"fsdp_mixed": {"param_dtype": "bf16"}}}}  # ddp
     )
     assert lines == [
-        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp' "
+        "optimization.precision.fsdp_mixed.param_dtype is set ('bf16'), but strategy 'ddp' "
         "ignores it; only fsdp1, fsdp2, hsdp read it. Remove it, or choose a strategy that "
         "reads it."
     ]
-    fsdp2 = {"parallel": {"strategy": "fsdp2", "zero1": {"bucket_size_mb": 8}}}
+    fsdp2 = {"parallel": {"strategy": "fsdp2", "zero": {"bucket_size_mb": 8}}}
     [line] = ignored({"optimization": fsdp2})
     assert line.startswith(
-        "optimization.parallel.zero1.bucket_size_mb is set (8), but strategy 'fsdp2'"
+        "optimization.parallel.zero.bucket_size_mb is set (8), but strategy 'fsdp2'"
     )
     assert ignored({"optimization": {"parallel": {"strategy": "fsdp1"}}, "ema": {"sharded": False}})
     # Read by the strategy, or left at the default: nothing to say.
     assert (
         ignored(
-            {"optimization": {"parallel": {"strategy": "zero2", "zero1": {"bucket_size_mb": 8}}}}
+            {"optimization": {"parallel": {"strategy": "zero2", "zero": {"bucket_size_mb": 8}}}}
         )
         == []
     )
-    assert ignored({"optimization": {"parallel": {"zero1": {"bucket_size_mb": 64}}}}) == []
+    assert ignored({"optimization": {"parallel": {"zero": {"bucket_size_mb": 64}}}}) == []
 
 
 def test_profiles_count_for_the_general_options_and_are_checked_themselves():
@@ -113,11 +113,11 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
     result = inspect(recipe(tmp_path, max_step=4))
     assert result.exit_code == 2
     assert "field 'max_step': unknown field, did you mean 'max_steps'?" in result.output
-    result = inspect(recipe(tmp_path), "optimization.precision.fsdp2_mixed.param_dtype=bf16")
+    result = inspect(recipe(tmp_path), "optimization.precision.fsdp_mixed.param_dtype=bf16")
     assert result.exit_code == 0, result.output
     assert "Warnings" in result.output
     assert (
-        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp'"
+        "optimization.precision.fsdp_mixed.param_dtype is set ('bf16'), but strategy 'ddp'"
         in result.output
     )
 
@@ -128,8 +128,8 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
         (["optimization.parallel.strategy=hsdp"], "'hsdp' replicates across nodes and needs launch.nnodes >= 2"),
         (["optimization.parallel.cp_size=3"], "field 'optimization.parallel.cp_size': sp_size 1 * cp_size 3 = 3 does not divide the world size"),
         (["optimization.parallel.cp_size=2", "optimization.parallel.strategy=fsdp1"], "fsdp1 has no sequence-parallel layout for ring attention"),
-        (["optimization.parallel.strategy=zero2", "optimization.parallel.zero1.parameter_sync=native"], "zero2 needs 'bucketed'"),
-        (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp2_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
+        (["optimization.parallel.strategy=zero2", "optimization.parallel.zero.parameter_sync=native"], "zero2 needs 'bucketed'"),
+        (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
         (["optimization.optimizer.backend=fused"], "'fused' needs CUDA parameters"),
         (["optimization.profiles.big.parallel.strategy=hsdp"], "field 'optimization.profiles.big.parallel.strategy': 'hsdp'"),
     ],
