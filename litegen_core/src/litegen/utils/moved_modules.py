@@ -50,10 +50,12 @@ MOVED: dict[str, str] = {
     "litegen.experimental.gelu_mlp": "litegen.experimental.fused_gelu_mlp_op",
     "litegen.experimental.mlp_fusion": "litegen.experimental.fused_gelu_mlp",
     "litegen.memory.chunked_mlp": "litegen.memory.mlp_token_chunks",
+    "litegen.runtime.prepare": "litegen.runtime.prepare_arguments",
 }
 
 # module -> old public name -> new name in the same module.
 RENAMED: dict[str, dict[str, str]] = {
+    "litegen.runtime.steps": {"prepare_for_estimate": "apply_estimate_steps"},
     "litegen.parallel.wrap": {"plan_units": "select_wrap_units"},
     "litegen.memory": {"BudgetPlanner": "BudgetChooser", "BudgetPlan": "BudgetChoice"},
     "litegen.memory.budget": {
