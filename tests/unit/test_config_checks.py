@@ -122,6 +122,22 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
     )
 
 
+def test_inspect_config_reads_an_earlier_option_name_and_names_the_new_one(tmp_path):
+    overrides = [
+        "optimization.parallel.strategy=zero2",
+        "optimization.parallel.zero1.bucket_size_mb=8",
+    ]
+    result = inspect(recipe(tmp_path), *overrides)
+    assert result.exit_code == 0, result.output
+    assert "optimization.parallel.zero1 is deprecated: use optimization.parallel.zero" in (
+        result.output
+    )
+    # The earlier name is read: the same value under the new name shows no such note.
+    renamed = inspect(recipe(tmp_path), overrides[0], "optimization.parallel.zero.bucket_size_mb=8")
+    assert renamed.exit_code == 0 and "deprecated" not in renamed.output
+    assert "bucket_size_mb: 8" in result.output and "bucket_size_mb: 8" in renamed.output
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
