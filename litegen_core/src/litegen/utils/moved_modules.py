@@ -2,7 +2,7 @@
 the new path.
 
 ``litegen/__init__.py`` installs :class:`MovedModuleFinder` once, so ``import litegen.blocks``
-and ``from litegen.blocks import find_blocks`` load ``litegen.model_parts.blocks`` under both
+and ``from litegen.blocks import repeated_blocks`` load ``litegen.model_parts.blocks`` under both
 names. A package that took an old module's name (``litegen.precision``, ``litegen.flops``)
 forwards that module's names through its ``__getattr__`` and :func:`moved_attribute`. The same
 finder serves the public paths the spec fixes from the module of their layer
@@ -11,7 +11,7 @@ finder serves the public paths the spec fixes from the module of their layer
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     from litegen.blocks import find_blocks
+    ...     from litegen.blocks import repeated_blocks
     >>> "litegen.model_parts.blocks" in str(caught[0].message)
     True
 """
