@@ -290,3 +290,34 @@ def test_block_swap_refuses_other_saved_tensor_owners(memory, other, fix):
     assert fix in message
     del optimization["memory"]["block_swap"]
     MainConfig.from_dict({"optimization": optimization})  # either alone is fine
+
+
+def test_resume_reads_a_run_checkpoint_saved_with_earlier_option_names(tmp_path):
+    # A run checkpoint's config.yaml from before the rename: the run continues, same options.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from litegen.checkpoint.layout import COMPLETE, CONFIG, model_dir_name, rank_file
+    from litegen_cli.resume import resume_recipe
+
+    step = tmp_path / "run" / "step_2"
+    for name in (COMPLETE, rank_file(0)):
+        (step / name).parent.mkdir(parents=True, exist_ok=True)
+        (step / name).touch()
+    with warnings.catch_warnings():  # saved by this one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"weight": torch.zeros(2)}, checkpoint_id=step / model_dir_name(0))
+    saved = {
+        "results_dir": str(tmp_path / "run"),
+        "runtime": {"device": "cpu"},
+        "global_batch_size": 8,
+        "optimization": {"parallel": {"strategy": "zero2", "zero1": {"bucket_size_mb": 8}}},
+    }
+    (step / CONFIG).write_text(yaml.safe_dump(saved))
+    (step / "launch.yaml").write_text(yaml.safe_dump({"entry": str(ENTRY), "nproc_per_node": 2}))
+    recipe, changes = resume_recipe(step, [])
+    assert recipe.config.optimization.parallel.zero.bucket_size_mb == 8
+    assert "optimization.parallel.zero1 is deprecated: use optimization.parallel.zero" in (
+        recipe.warnings
+    )
+    assert changes == []
