@@ -48,7 +48,7 @@ def litegen_config(args, world: int, results: str) -> MainConfig:
         "kernels": {"attention_backend": args.attention},
     }
     if bf16 and args.strategy in SHARDED:
-        optimization["precision"] = {"fsdp2_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+        optimization["precision"] = {"fsdp_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
     fields = {
         "exp_name": "bench",
         "results_dir": results,

@@ -141,7 +141,7 @@ def cli(*arguments: str) -> list[str]:
     return [sys.executable, "-m", "litegen_cli.app", *arguments]
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, Path, tuple[int, int, int]]:
+def make_inputs(args: argparse.Namespace) -> tuple[Path, Path, tuple[int, int, int]]:
     """The pipeline, media and cache under ``--work``; each is made once."""
     shape = bucket(args)
     suffix = "" if args.family == "wan" else f"-{args.flux_layers}x{args.flux_single_layers}"
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    pipeline, media, shape = prepare(args)
+    pipeline, media, shape = make_inputs(args)
     key = shape_key(args, shape)
     log = args.work / "runs.jsonl"
     done = (

@@ -206,7 +206,7 @@ def two_rank_suite(tmp: str) -> dict:
             out[strategy, accum] = public(result)
             if accum == 1 and strategy != "ddp":
                 out[strategy, "ckpt"] = checkpoint_round_trips(result, f"{tmp}/{strategy}")
-    bf16 = {"precision": {"fsdp2_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}}
+    bf16 = {"precision": {"fsdp_mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}}
     out["fsdp2", "bf16"] = public(train("fsdp2", tmp, **bf16))
     frozen = {"wrap_strategy": "class_based", "wrap_class_names": ["Block"]}
     out["ddp", "frozen"] = public(train("ddp", tmp, freeze=("time",)))

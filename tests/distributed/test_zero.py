@@ -23,18 +23,18 @@ TEST_BYTES_PER_MB = 8 << 10
 
 ZERO_VARIANTS = {
     "zero1_bucketed": {"strategy": "zero1"},
-    "zero1_bucketed_no_overlap": {"strategy": "zero1", "zero1": {"overlap_comm": False}},
+    "zero1_bucketed_no_overlap": {"strategy": "zero1", "zero": {"overlap_comm": False}},
     "zero1_flat_layout_keep_buffers": {
         "strategy": "zero1",
-        "zero1": {"normalize_parameter_layout": True, "release_grad_buffer": False},
+        "zero": {"normalize_parameter_layout": True, "release_grad_buffer": False},
     },
-    "zero1_native": {"strategy": "zero1", "zero1": {"parameter_sync": "native"}},
+    "zero1_native": {"strategy": "zero1", "zero": {"parameter_sync": "native"}},
     "zero1_native_bucket_view": {
         "strategy": "zero1",
-        "zero1": {"parameter_sync": "native_bucket_view"},
+        "zero": {"parameter_sync": "native_bucket_view"},
     },
     "zero2": {"strategy": "zero2"},
-    "zero2_no_overlap": {"strategy": "zero2", "zero1": {"overlap_comm": False}},
+    "zero2_no_overlap": {"strategy": "zero2", "zero": {"overlap_comm": False}},
 }
 
 
@@ -121,7 +121,7 @@ def checkpoint_rank(tmp: str, four_rank_dir: str | None) -> dict:
     """Save/load round trips of every format, and loading a 4-rank shard set here."""
     out: dict = {}
     for strategy, sync in (("zero1", "bucketed"), ("zero1", "native"), ("zero2", "bucketed")):
-        parallel = {"strategy": strategy, "zero1": {"parameter_sync": sync}}
+        parallel = {"strategy": strategy, "zero": {"parameter_sync": sync}}
         gen, model, optimizer, _ = train(tmp, parallel, steps=4)
         saved = full_optim(gen, model, optimizer)
         folder = Path(tmp, f"{strategy}_{sync}")

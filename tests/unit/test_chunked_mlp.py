@@ -139,12 +139,12 @@ def test_checkpointed_compiled_blocks_with_chunked_mlps_match_eager_in_one_graph
         activation_checkpoint={"enabled": True, "selective_ratio": 0}, mlp_chunk_tokens=5
     )
 
-    def prepare(model: nn.Module) -> None:
+    def chunk_mlps(model: nn.Module) -> None:
         report = apply_memory_optimizations(model, memory)
         assert report.chunked_mlps == TINY.depth and len(report.checkpointed) == TINY.depth
         assert "3 GELU MLPs run in chunks of tokens" in report.describe()
 
-    assert_compiled_dit_runs_op_like_eager(prepare, "litegen.chunked_gelu_mlp.default")
+    assert_compiled_dit_runs_op_like_eager(chunk_mlps, "litegen.chunked_gelu_mlp.default")
 
 
 def test_prepare_chunks_the_mlps_and_refuses_the_fused_mlp_beside_it(tmp_path):

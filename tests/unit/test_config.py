@@ -195,8 +195,8 @@ def test_union_errors_merged_into_one_line() -> None:
         ({"optimization": {"parallel": {"strategy": "zero3"}}}, "optimization.parallel.strategy"),
         ({"optimization": {"parallel": {"sp_size": 0}}}, "optimization.parallel.sp_size"),
         (
-            {"optimization": {"precision": {"fsdp2_mixed": {"param_dtype": "fp64"}}}},
-            "optimization.precision.fsdp2_mixed.param_dtype",
+            {"optimization": {"precision": {"fsdp_mixed": {"param_dtype": "fp64"}}}},
+            "optimization.precision.fsdp_mixed.param_dtype",
         ),
         ({"optimization": {"optimizer": {"backend": "apex"}}}, "optimization.optimizer.backend"),
         ({"runtime": {"device": "tpu"}}, "runtime.device"),

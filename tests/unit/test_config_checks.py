@@ -55,27 +55,27 @@ def ignored(data: dict) -> list[str]:
 
 def test_options_the_strategy_ignores_warn_with_option_and_strategy():
     lines = ignored(
-        {"optimization": {"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}}}  # ddp
+        {"optimization": {"precision": {"fsdp_mixed": {"param_dtype": "bf16"}}}}  # ddp
     )
     assert lines == [
-        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp' "
+        "optimization.precision.fsdp_mixed.param_dtype is set ('bf16'), but strategy 'ddp' "
         "ignores it; only fsdp1, fsdp2, hsdp read it. Remove it, or choose a strategy that "
         "reads it."
     ]
-    fsdp2 = {"parallel": {"strategy": "fsdp2", "zero1": {"bucket_size_mb": 8}}}
+    fsdp2 = {"parallel": {"strategy": "fsdp2", "zero": {"bucket_size_mb": 8}}}
     [line] = ignored({"optimization": fsdp2})
     assert line.startswith(
-        "optimization.parallel.zero1.bucket_size_mb is set (8), but strategy 'fsdp2'"
+        "optimization.parallel.zero.bucket_size_mb is set (8), but strategy 'fsdp2'"
     )
     assert ignored({"optimization": {"parallel": {"strategy": "fsdp1"}}, "ema": {"sharded": False}})
     # Read by the strategy, or left at the default: nothing to say.
     assert (
         ignored(
-            {"optimization": {"parallel": {"strategy": "zero2", "zero1": {"bucket_size_mb": 8}}}}
+            {"optimization": {"parallel": {"strategy": "zero2", "zero": {"bucket_size_mb": 8}}}}
         )
         == []
     )
-    assert ignored({"optimization": {"parallel": {"zero1": {"bucket_size_mb": 64}}}}) == []
+    assert ignored({"optimization": {"parallel": {"zero": {"bucket_size_mb": 64}}}}) == []
 
 
 def test_profiles_count_for_the_general_options_and_are_checked_themselves():
@@ -113,13 +113,29 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
     result = inspect(recipe(tmp_path, max_step=4))
     assert result.exit_code == 2
     assert "field 'max_step': unknown field, did you mean 'max_steps'?" in result.output
-    result = inspect(recipe(tmp_path), "optimization.precision.fsdp2_mixed.param_dtype=bf16")
+    result = inspect(recipe(tmp_path), "optimization.precision.fsdp_mixed.param_dtype=bf16")
     assert result.exit_code == 0, result.output
     assert "Warnings" in result.output
     assert (
-        "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16'), but strategy 'ddp'"
+        "optimization.precision.fsdp_mixed.param_dtype is set ('bf16'), but strategy 'ddp'"
         in result.output
     )
+
+
+def test_inspect_config_reads_an_earlier_option_name_and_names_the_new_one(tmp_path):
+    overrides = [
+        "optimization.parallel.strategy=zero2",
+        "optimization.parallel.zero1.bucket_size_mb=8",
+    ]
+    result = inspect(recipe(tmp_path), *overrides)
+    assert result.exit_code == 0, result.output
+    assert "optimization.parallel.zero1 is deprecated: use optimization.parallel.zero" in (
+        result.output
+    )
+    # The earlier name is read: the same value under the new name shows no such note.
+    renamed = inspect(recipe(tmp_path), overrides[0], "optimization.parallel.zero.bucket_size_mb=8")
+    assert renamed.exit_code == 0 and "deprecated" not in renamed.output
+    assert "bucket_size_mb: 8" in result.output and "bucket_size_mb: 8" in renamed.output
 
 
 @pytest.mark.parametrize(
@@ -128,8 +144,8 @@ def test_inspect_config_shows_typos_and_ignored_options(tmp_path):
         (["optimization.parallel.strategy=hsdp"], "'hsdp' replicates across nodes and needs launch.nnodes >= 2"),
         (["optimization.parallel.cp_size=3"], "field 'optimization.parallel.cp_size': sp_size 1 * cp_size 3 = 3 does not divide the world size"),
         (["optimization.parallel.cp_size=2", "optimization.parallel.strategy=fsdp1"], "fsdp1 has no sequence-parallel layout for ring attention"),
-        (["optimization.parallel.strategy=zero2", "optimization.parallel.zero1.parameter_sync=native"], "zero2 needs 'bucketed'"),
-        (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp2_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
+        (["optimization.parallel.strategy=zero2", "optimization.parallel.zero.parameter_sync=native"], "zero2 needs 'bucketed'"),
+        (["optimization.parallel.strategy=fsdp1", "optimization.precision.fsdp_mixed.output_dtype=bf16"], "FSDP1 has no equivalent"),
         (["optimization.optimizer.backend=fused"], "'fused' needs CUDA parameters"),
         (["optimization.profiles.big.parallel.strategy=hsdp"], "field 'optimization.profiles.big.parallel.strategy': 'hsdp'"),
     ],
@@ -274,3 +290,34 @@ def test_block_swap_refuses_other_saved_tensor_owners(memory, other, fix):
     assert fix in message
     del optimization["memory"]["block_swap"]
     MainConfig.from_dict({"optimization": optimization})  # either alone is fine
+
+
+def test_resume_reads_a_run_checkpoint_saved_with_earlier_option_names(tmp_path):
+    # A run checkpoint's config.yaml from before the rename: the run continues, same options.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from litegen.checkpoint.layout import COMPLETE, CONFIG, model_dir_name, rank_file
+    from litegen_cli.resume import resume_recipe
+
+    step = tmp_path / "run" / "step_2"
+    for name in (COMPLETE, rank_file(0)):
+        (step / name).parent.mkdir(parents=True, exist_ok=True)
+        (step / name).touch()
+    with warnings.catch_warnings():  # saved by this one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"weight": torch.zeros(2)}, checkpoint_id=step / model_dir_name(0))
+    saved = {
+        "results_dir": str(tmp_path / "run"),
+        "runtime": {"device": "cpu"},
+        "global_batch_size": 8,
+        "optimization": {"parallel": {"strategy": "zero2", "zero1": {"bucket_size_mb": 8}}},
+    }
+    (step / CONFIG).write_text(yaml.safe_dump(saved))
+    (step / "launch.yaml").write_text(yaml.safe_dump({"entry": str(ENTRY), "nproc_per_node": 2}))
+    recipe, changes = resume_recipe(step, [])
+    assert recipe.config.optimization.parallel.zero.bucket_size_mb == 8
+    assert "optimization.parallel.zero1 is deprecated: use optimization.parallel.zero" in (
+        recipe.warnings
+    )
+    assert changes == []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from litegen.config.base import DeprecatedFieldWarning
 from litegen.utils.config import MainConfig, OptimizationConfig, TrainerConfig
 from tests.unit.test_config import PROFILES, problems
 
@@ -29,7 +30,7 @@ def test_defaults_of_every_field() -> None:
         "optimization": {
             "parallel": {
                 "strategy": "ddp",
-                "zero1": {
+                "zero": {
                     "bucket_size_mb": 64,
                     "parameter_sync": "bucketed",
                     "overlap_comm": True,
@@ -55,7 +56,7 @@ def test_defaults_of_every_field() -> None:
                 "preset": None,
                 "cast_model": None,
                 "cast_exclude_paths": [],
-                "fsdp2_mixed": {
+                "fsdp_mixed": {
                     "param_dtype": None,
                     "reduce_dtype": None,
                     "output_dtype": None,
@@ -294,3 +295,53 @@ def test_the_bf16_mixed_preset_sets_its_fields_unless_written() -> None:
     assert profiled.optimization_for(None).precision.cast_model is None
     with pytest.raises(ValueError, match=r"optimization\.precision\.preset"):
         MainConfig(optimization={"precision": {"preset": "bf16"}})
+
+
+def test_earlier_option_names_load_into_the_new_ones_with_a_warning(tmp_path: Path) -> None:
+    # A recipe or a run's saved config written before the rename: zero1 and fsdp2_mixed.
+    saved = tmp_path / "config.yaml"
+    saved.write_text(
+        "optimization:\n"
+        "  parallel:\n"
+        "    strategy: zero2\n"
+        "    zero1: {bucket_size_mb: 8, overlap_comm: false}\n"
+        "  precision:\n"
+        "    fsdp2_mixed: {param_dtype: bf16}\n"
+        "  profiles:\n"
+        "    frozen:\n"
+        "      parallel: {zero1: {bucket_size_mb: 16}}\n"
+    )
+    with pytest.warns(DeprecatedFieldWarning) as caught:
+        cfg = MainConfig.load_yaml(saved)
+    assert sorted(str(w.message) for w in caught if w.category is DeprecatedFieldWarning) == [
+        "optimization.parallel.zero1 is deprecated: use optimization.parallel.zero",
+        "optimization.precision.fsdp2_mixed is deprecated: use optimization.precision.fsdp_mixed",
+        "optimization.profiles.frozen.parallel.zero1 is deprecated: "
+        "use optimization.profiles.frozen.parallel.zero",
+    ]
+    renamed = MainConfig(
+        optimization={
+            "parallel": {"strategy": "zero2", "zero": {"bucket_size_mb": 8, "overlap_comm": False}},
+            "precision": {"fsdp_mixed": {"param_dtype": "bf16"}},
+            "profiles": {"frozen": {"parallel": {"zero": {"bucket_size_mb": 16}}}},
+        }
+    )
+    assert cfg.to_dict() == renamed.to_dict()
+    assert cfg.optimization.parallel.zero.bucket_size_mb == 8
+    assert cfg.optimization.precision.fsdp_mixed.param_dtype == "bf16"
+    assert cfg.optimization.resolve("frozen").parallel.zero.bucket_size_mb == 16
+    # An override in the earlier name over a saved config in the new one: the override wins.
+    data = renamed.to_dict()
+    data["optimization"]["parallel"]["zero1"] = {"bucket_size_mb": 32}
+    with pytest.warns(DeprecatedFieldWarning):
+        over = MainConfig(**data).optimization.parallel.zero
+    assert (over.bucket_size_mb, over.overlap_comm) == (32, False)
+
+
+def test_earlier_option_class_names_still_import() -> None:
+    import litegen.config
+
+    with pytest.warns(DeprecationWarning, match="litegen.config.ZeroConfig"):
+        assert litegen.config.Zero1Config is litegen.config.ZeroConfig
+    with pytest.warns(DeprecationWarning, match="litegen.config.FSDPMixedConfig"):
+        assert litegen.config.FSDP2MixedConfig is litegen.config.FSDPMixedConfig

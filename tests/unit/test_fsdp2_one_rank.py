@@ -153,7 +153,7 @@ def test_what_works_through_the_wrap_keeps_it_on_one_rank(tmp_path, monkeypatch)
             "results_dir": str(tmp_path),
             "optimization": {
                 "parallel": {"strategy": "fsdp2"},
-                "precision": {"fsdp2_mixed": {"param_dtype": "bf16"}},
+                "precision": {"fsdp_mixed": {"param_dtype": "bf16"}},
             },
         }
     )

@@ -45,7 +45,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "litegen.cache",
         "litegen.objectives",
         "litegen.pretrained",
-        "litegen.utils.encode",
     ),
     # Facts about a model's modules.
     (
@@ -175,6 +174,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_every_module_has_a_layer():
     unplaced = [name for name in import_graph() if layer_of(name) is None]
     assert not unplaced, f"add these modules to LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_folders_equal_layers():
+    # A module's folder says its layer: no entry of LAYERS lies inside another entry's folder
+    # (the package's own entry holds only litegen/__init__.py).
+    entries = [prefix for prefixes in LAYERS for prefix in prefixes if prefix != "litegen"]
+    nested = [
+        f"{inner} lies inside {outer}"
+        for inner in entries
+        for outer in entries
+        if inner.startswith(outer + ".")
+    ]
+    assert not nested, nested
+    assert len(entries) == len(set(entries)), "an entry is listed twice"
 
 
 def test_no_module_imports_a_layer_above_its_own():

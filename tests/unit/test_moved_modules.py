@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 
 import pytest
 
-from litegen.utils.moved_modules import MOVED, RENAMED, moved_attribute
+from litegen.utils.moved_modules import MOVED, PUBLIC_PATHS, RENAMED, moved_attribute
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -24,6 +25,24 @@ def test_an_old_path_gives_the_new_module_and_warns(old, monkeypatch):
     monkeypatch.delitem(sys.modules, old, raising=False)  # imported before: import it again
     with pytest.warns(DeprecationWarning, match=f"moved to {MOVED[old]};"):
         assert importlib.import_module(old) is new
+
+
+@pytest.mark.parametrize("public", sorted(PUBLIC_PATHS))
+def test_a_public_path_gives_the_module_of_its_layer_without_a_warning(public, monkeypatch):
+    module = importlib.import_module(PUBLIC_PATHS[public])
+    monkeypatch.delitem(sys.modules, public, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(public) is module
+    root = importlib.import_module("litegen").__path__[0]
+    assert not os.path.exists(os.path.join(root, *public.split(".")[1:]) + ".py")
+
+
+def test_the_spec_path_of_vae_encode_imports():
+    from litegen.data.vae_encode import vae_encode as where_it_lives
+    from litegen.utils.encode import vae_encode
+
+    assert vae_encode is where_it_lives
 
 
 def test_a_forwarding_package_still_gives_its_submodules():

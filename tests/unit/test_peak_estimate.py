@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import litegen
 from litegen.memory.peak_estimate import estimate_peak
 from litegen.memory.saved_bytes import AttentionAsFlash, count_saved_bytes
-from litegen.runtime.steps import prepare_for_estimate
+from litegen.runtime.steps import apply_estimate_steps
 from litegen.utils.config import MainConfig
 from litegen_cli.app import app
 
@@ -72,7 +72,7 @@ def meta_estimate(optimization: dict):
     with torch.device("meta"):
         model = WAN.build("tiny", num_layers=LAYERS)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prepare_for_estimate(model, optimizer, config.optimization)
+    apply_estimate_steps(model, optimizer, config.optimization)
     batch = {k: v.to("meta") for k, v in WAN.batch("tiny", batch_size=2).items()}
     return estimate_peak(model, config.optimization, lambda: WAN.loss(model, batch))
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import litegen
 from litegen.config import OptimizationConfig
-from litegen.runtime.steps import ESTIMATE_STEPS, MODEL_STEPS, prepare_for_estimate
+from litegen.runtime.steps import ESTIMATE_STEPS, MODEL_STEPS, apply_estimate_steps
 from litegen.utils.config import MainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_the_estimate_takes_the_steps_that_change_stored_weights_from_the_list()
         precision={"cast_model": "bf16", "cast_exclude_paths": ["1"]},
         kernels={"fused_layernorm": True},  # a module swap: not the estimate's business
     )
-    prepared = prepare_for_estimate(net, None, opt)
+    prepared = apply_estimate_steps(net, None, opt)
     assert prepared[0].weight.dtype == torch.bfloat16 and prepared[1].weight.dtype == torch.float32
     assert type(prepared[1]) is nn.LayerNorm
 

@@ -106,11 +106,11 @@ def test_requirements_of_a_strategy_name_its_option():
     # The defaults meet every strategy's requirements; a value that does not is named.
     assert all(requirement_problems(MainConfig().optimization, row.name) == [] for row in TABLE)
     zero2 = MainConfig.from_dict(
-        {"optimization": {"parallel": {"strategy": "zero2", "zero1": {"parameter_sync": "native"}}}}
+        {"optimization": {"parallel": {"strategy": "zero2", "zero": {"parameter_sync": "native"}}}}
     ).optimization
     (problem,) = requirement_problems(zero2, where="optimization.profiles.p")
     assert str(problem).startswith(
-        "field 'optimization.profiles.p.parallel.zero1.parameter_sync': zero2 needs 'bucketed'"
+        "field 'optimization.profiles.p.parallel.zero.parameter_sync': zero2 needs 'bucketed'"
     )
 
 

@@ -4,7 +4,7 @@ and the sequence layouts (``sp_size x cp_size``) the trained model can take.
 The entry's ``build(config)`` runs under ``torch.device("meta")`` with ``runtime.device`` set to
 ``meta`` (an entry honours it by building on meta and reading no weights), so even a model of
 billions of parameters costs no memory and seconds. The trained model gets the changes
-``prepare`` makes to its stored weights (:func:`litegen.runtime.steps.prepare_for_estimate`),
+``prepare`` makes to its stored weights (:func:`litegen.runtime.steps.apply_estimate_steps`),
 one micro-batch of the entry's dataset moves to meta, and the entry's ``train_step`` drives the
 forward that :func:`litegen.memory.peak_estimate.estimate_peak` counts; with
 ``sp_size * cp_size`` above 1 that forward is one rank's share of the sequence
@@ -115,7 +115,7 @@ def _build_on_meta(recipe: Recipe) -> _OnMeta:
     import torch
 
     from litegen.entry import load_entry, parts_to_prepare
-    from litegen.runtime.prepare import kind_of, owner_of, trained_models
+    from litegen.runtime.prepare_arguments import kind_of, owner_of, trained_models
 
     config = recipe.config
     config.runtime.device = "meta"  # not validated on assignment: entries read it to build on meta
@@ -137,7 +137,7 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
     import torch
 
     from litegen.memory.peak_estimate import estimate_peak
-    from litegen.runtime.steps import prepare_for_estimate
+    from litegen.runtime.steps import apply_estimate_steps
     from litegen.trainer.hooks import keyword_filter
 
     config = recipe.config
@@ -147,7 +147,7 @@ def _estimate(recipe: Recipe, on_meta: _OnMeta | None = None) -> Any:
     module, built, names, kinds = on_meta.module, on_meta.built, on_meta.names, on_meta.kinds
     models, trained, index = on_meta.models, on_meta.trained, on_meta.index
     optimizer = next((built[n] for n, o in on_meta.owners.items() if o == index), None)
-    model = prepare_for_estimate(models[index], optimizer, config.optimization)
+    model = apply_estimate_steps(models[index], optimizer, config.optimization)
     sharing = run_plan.sp_size * run_plan.cp_size
     if sharing > 1:  # count one rank's share of the sequence, as the ranks will hold it
         from litegen.parallel.sequence import plan_for

@@ -79,7 +79,7 @@ def load_entry(entry: str, base_dir: str | Path | None = None) -> ModuleType:
 
 def built_kind(obj: Any) -> str | None:
     """How ``run_entry`` treats one value of the ``build(config)`` dict: the kind ``prepare``
-    takes it as (:func:`litegen.runtime.prepare.preparable_kind`), or None for a value that
+    takes it as (:func:`litegen.runtime.prepare_arguments.preparable_kind`), or None for a value that
     reaches ``train_step`` and the hooks unchanged (containers, tensors and arrays are data
     for the hooks, never a training set).
 
@@ -88,7 +88,7 @@ def built_kind(obj: Any) -> str | None:
     >>> built_kind(nn.Linear(2, 2)), built_kind((torch.zeros(2), torch.zeros(2)))
     ('model', None)
     """
-    from litegen.runtime.prepare import preparable_kind
+    from litegen.runtime.prepare_arguments import preparable_kind
 
     if isinstance(obj, _plain()) or type(obj).__module__ == "numpy":
         return None

@@ -14,6 +14,8 @@ error format in :mod:`litegen.config.base`, the typed sections in :mod:`litegen.
 The spec's import path, ``litegen.utils.config``, re-exports this package.
 """
 
+import warnings
+
 from litegen.config.base import Config, ConfigError, Section
 from litegen.config.main import MainConfig, YamlLoader
 from litegen.config.memory import ActivationCheckpointConfig, MemoryConfig
@@ -24,14 +26,14 @@ from litegen.config.sections import (
     Dtype,
     ExperimentalConfig,
     FSDP2Config,
-    FSDP2MixedConfig,
+    FSDPMixedConfig,
     KernelsConfig,
     LoRAConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
     RuntimeConfig,
-    Zero1Config,
+    ZeroConfig,
 )
 from litegen.config.training import EMAConfig, TrainerConfig
 
@@ -45,7 +47,7 @@ __all__ = [
     "EMAConfig",
     "ExperimentalConfig",
     "FSDP2Config",
-    "FSDP2MixedConfig",
+    "FSDPMixedConfig",
     "KernelsConfig",
     "LoRAConfig",
     "MainConfig",
@@ -59,5 +61,20 @@ __all__ = [
     "Section",
     "TrainerConfig",
     "YamlLoader",
-    "Zero1Config",
+    "ZeroConfig",
 ]
+
+# Earlier class names, named for one of the strategies that read the section.
+_RENAMED = {"Zero1Config": "ZeroConfig", "FSDP2MixedConfig": "FSDPMixedConfig"}
+
+
+def __getattr__(name: str):
+    if name not in _RENAMED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new = _RENAMED[name]
+    warnings.warn(
+        f"{__name__}.{name} was renamed {__name__}.{new}; import that ({name} will be removed)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return globals()[new]

@@ -236,6 +236,10 @@ class Config(BaseModel):
         return out
 
 
+class DeprecatedFieldWarning(FutureWarning):
+    """A field read under the spelling of an earlier version; the message names the new one."""
+
+
 class Section(Config):
     """Base of LiteGen's own sections: unknown keys are rejected."""
 

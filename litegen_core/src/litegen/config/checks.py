@@ -148,9 +148,9 @@ def ignored_options(config: Any) -> list[str]:
     that profile's strategy reads it.
 
     >>> from litegen.config import MainConfig
-    >>> cfg = MainConfig(optimization={"precision": {"fsdp2_mixed": {"param_dtype": "bf16"}}})
-    >>> ignored_options(cfg)[0][:62]
-    "optimization.precision.fsdp2_mixed.param_dtype is set ('bf16')"
+    >>> cfg = MainConfig(optimization={"precision": {"fsdp_mixed": {"param_dtype": "bf16"}}})
+    >>> ignored_options(cfg)[0][:61]
+    "optimization.precision.fsdp_mixed.param_dtype is set ('bf16')"
     """
     optimization = config.optimization
     default = type(optimization)()

@@ -23,12 +23,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from litegen.config.base import Section
+from litegen.config.base import DeprecatedFieldWarning, Section
 from litegen.config.checks import near_miss
-
-
-class DeprecatedFieldWarning(FutureWarning):
-    """A field read under the spelling of an earlier version; the message names the new one."""
 
 
 class FinetuneDataConfig(Section):

@@ -24,6 +24,7 @@ from litegen.config.sections import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
+    rename_deprecated_options,
 )
 
 
@@ -81,6 +82,17 @@ class OptimizationConfig(Section):
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     lora: LoRAConfig | None = None
     profiles: dict[str, OptimizationProfile] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_option_names(cls, data: Any) -> Any:
+        data = rename_deprecated_options(data)
+        profiles = value_at(data, "profiles")
+        if not isinstance(profiles, Mapping):
+            return data
+        where = "optimization.profiles"
+        renamed = {k: rename_deprecated_options(v, f"{where}.{k}") for k, v in profiles.items()}
+        return {**data, "profiles": renamed}
 
     @model_validator(mode="before")
     @classmethod

@@ -9,13 +9,14 @@ each file readable. It must never import torch (the CLI imports it for fast vali
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from litegen.config.base import Section
-from litegen.config.strategies import DEFAULT_STRATEGY, STRATEGIES
+from litegen.config.base import DeprecatedFieldWarning, Section
+from litegen.config.strategies import DEFAULT_STRATEGY, RENAMED_OPTIONS, STRATEGIES
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 """Names accepted by every dtype field."""
@@ -47,8 +48,8 @@ class RuntimeConfig(Section):
 # --------------------------------------------------------------------------- optimization
 
 
-class Zero1Config(Section):
-    """Options of the ``zero1`` strategy (``optimization.parallel.zero1``)."""
+class ZeroConfig(Section):
+    """Options of the ZeRO strategies, ``zero1`` and ``zero2`` (``optimization.parallel.zero``)."""
 
     bucket_size_mb: int = Field(64, ge=1)
     parameter_sync: Literal["bucketed", "native", "native_bucket_view"] = "bucketed"
@@ -79,7 +80,7 @@ class ParallelConfig(Section):
     """Parallel strategy and degrees (``optimization.parallel``)."""
 
     strategy: StrategyName = DEFAULT_STRATEGY
-    zero1: Zero1Config = Field(default_factory=Zero1Config)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
     sp_size: int = Field(1, ge=1)
     cp_size: int = Field(1, ge=1)
@@ -97,8 +98,10 @@ class ParallelConfig(Section):
         return data
 
 
-class FSDP2MixedConfig(Section):
-    """FSDP2 mixed-precision policy (``optimization.precision.fsdp2_mixed``)."""
+class FSDPMixedConfig(Section):
+    """Mixed precision of the FSDP strategies, ``fsdp1``, ``fsdp2`` and ``hsdp``
+    (``optimization.precision.fsdp_mixed``): FSDP2's ``MixedPrecisionPolicy``, which ``fsdp1``
+    maps onto FSDP1's ``MixedPrecision``."""
 
     param_dtype: Dtype | None = None
     reduce_dtype: Dtype | None = None
@@ -129,12 +132,44 @@ class PrecisionConfig(Section):
     ``trainer.autocast``; fields written in the config win over it."""
     cast_model: Dtype | None = None
     cast_exclude_paths: list[str] = Field(default_factory=list)
-    fsdp2_mixed: FSDP2MixedConfig = Field(default_factory=FSDP2MixedConfig)
+    fsdp_mixed: FSDPMixedConfig = Field(default_factory=FSDPMixedConfig)
     allow_tf32: bool = True
     fp8_linear: Literal["tensorwise", "rowwise"] | None = None
     """FP8 matmuls in the trained model's ``nn.Linear`` layers through torchao's float8 recipes
     (``litegen.precision.fp8_training``; CUDA with compute capability 8.9+ and the ``torchao`` extra);
     elsewhere it steps aside with one warning. ``null``: off."""
+
+
+def rename_deprecated_options(optimization: Any, where: str = "optimization") -> Any:
+    """The raw ``optimization`` section ``optimization`` (at path ``where``) with the earlier
+    names of :data:`RENAMED_OPTIONS` renamed, a warning each. Where both names are written (an
+    override with the old one over a saved config), the old name's fields win: the user wrote them.
+
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     out = rename_deprecated_options({"parallel": {"zero1": {"bucket_size_mb": 8}}})
+    >>> out, str(caught[0].message)
+    ({'parallel': {'zero': {'bucket_size_mb': 8}}}, 'optimization.parallel.zero1 is deprecated: use optimization.parallel.zero')
+    """
+    if not isinstance(optimization, Mapping):
+        return optimization
+    out = dict(optimization)
+    for section, renames in RENAMED_OPTIONS.items():
+        values = out.get(section)
+        if not isinstance(values, Mapping) or not renames.keys() & values.keys():
+            continue
+        values = dict(values)
+        for old, new in renames.items():
+            if old not in values:
+                continue
+            message = f"{where}.{section}.{old} is deprecated: use {where}.{section}.{new}"
+            warnings.warn(message, DeprecatedFieldWarning, stacklevel=2)
+            written, current = values.pop(old), values.get(new)
+            if isinstance(written, Mapping) and isinstance(current, Mapping):
+                written = {**current, **written}
+            values[new] = written
+        out[section] = values
+    return out
 
 
 class OptimizerConfig(Section):

@@ -81,9 +81,18 @@ class StrategyRow:
 
 
 # The option sections of the rows below.
-ZERO_OPTIONS = "optimization.parallel.zero1"
+ZERO_OPTIONS = "optimization.parallel.zero"
 FSDP2_OPTIONS = "optimization.parallel.fsdp2"
-FSDP_MIXED_OPTIONS = "optimization.precision.fsdp2_mixed"
+FSDP_MIXED_OPTIONS = "optimization.precision.fsdp_mixed"
+
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    "parallel": {"zero1": "zero"},
+    "precision": {"fsdp2_mixed": "fsdp_mixed"},
+}
+"""``optimization`` subsection -> an earlier name of one of its option sections -> its name now.
+The earlier names, each naming one of the strategies that read the section, still load
+(recipes, saved run configs, overrides) with a :class:`~litegen.config.base.DeprecatedFieldWarning`."""
+
 
 TABLE: tuple[StrategyRow, ...] = (
     StrategyRow(
@@ -110,7 +119,7 @@ TABLE: tuple[StrategyRow, ...] = (
         options=(ZERO_OPTIONS,),
         requires=(
             Requirement(
-                "parallel.zero1.parameter_sync",
+                "parallel.zero.parameter_sync",
                 ("bucketed",),
                 "zero2 needs 'bucketed', got {value!r}: it shards gradients with its own "
                 "buckets, and ZeroRedundancyOptimizer ('native') only shards optimizer state "
@@ -129,7 +138,7 @@ TABLE: tuple[StrategyRow, ...] = (
         sequence_parallel=False,
         requires=(
             Requirement(
-                "precision.fsdp2_mixed.output_dtype",
+                "precision.fsdp_mixed.output_dtype",
                 (None,),
                 "FSDP1 has no equivalent of {value!r}; unset it for strategy 'fsdp1', or use "
                 "strategy 'fsdp2'",
@@ -306,7 +315,7 @@ def requirement_problems(
 
     >>> from litegen.config import OptimizationConfig
     >>> requirement_problems(OptimizationConfig(parallel={"strategy": "zero2",
-    ...     "zero1": {"parameter_sync": "native"}}))[0].text[:24]
+    ...     "zero": {"parameter_sync": "native"}}))[0].text[:24]
     "zero2 needs 'bucketed', "
     """
     row = STRATEGIES[strategy or optimization.parallel.strategy]

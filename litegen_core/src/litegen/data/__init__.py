@@ -13,6 +13,8 @@
 - :class:`MediaDataset` (``media.py``), :class:`MediaBuckets` (``media_buckets.py``),
   :func:`scan_media` (``media_files.py``): a folder of images and videos with captions, in
   shape buckets; the last two import no torch.
+- :func:`~litegen.data.vae_encode.vae_encode` (``vae_encode.py``, public as
+  ``litegen.utils.encode.vae_encode``): a large batch through a VAE a slice at a time.
 
 torchdata (``pip install 'litegen-core[data]'``) is imported only for iterable datasets, Pillow
 and PyAV (``litegen-core[media]``) only when a media folder is read. The names below load

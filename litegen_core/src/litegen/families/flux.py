@@ -180,7 +180,7 @@ class Flux(Family):
         )
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
-        from litegen.utils.encode import vae_encode
+        from litegen.data.vae_encode import vae_encode
 
         # (z - shift_factor) * scaling_factor, the inverse of the pipeline's decode.
         return vae_encode(pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False)

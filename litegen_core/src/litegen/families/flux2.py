@@ -282,7 +282,7 @@ class Flux2(Family):
         return math.exp(empirical_mu(seq_len))
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
-        from litegen.utils.encode import vae_encode
+        from litegen.data.vae_encode import vae_encode
 
         latents = vae_encode(
             pipe.vae, pixels, micro_batch_size=micro_batch_size, sample=False, scale=False

@@ -249,7 +249,7 @@ class HunyuanVideo15(Family):
         return int(vae_config.get("temporal_compression_ratio", 4))
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
-        from litegen.utils.encode import vae_encode
+        from litegen.data.vae_encode import vae_encode
 
         if pixels.dim() == 4:  # images (max_frames=1): one-frame videos
             pixels = pixels.unsqueeze(2)

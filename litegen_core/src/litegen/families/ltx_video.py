@@ -239,7 +239,7 @@ class LTXVideo(Family):
         return vae_config.get("patch_size_t", 1) * 2 ** sum(scaling)
 
     def encode_latents(self, pipe, pixels, micro_batch_size):
-        from litegen.utils.encode import vae_encode
+        from litegen.data.vae_encode import vae_encode
 
         if pixels.dim() == 4:  # images (max_frames=1): one-frame videos
             pixels = pixels.unsqueeze(2)

@@ -117,7 +117,7 @@ def latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def encode_images(vae: Any, pixels: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
     """(B, 3, H, W) images in [-1, 1] -> normalised (B, C, H/8, W/8) latents (the VAE's mode)."""
-    from litegen.utils.encode import vae_encode
+    from litegen.data.vae_encode import vae_encode
 
     latents = vae_encode(
         vae, pixels.unsqueeze(2), micro_batch_size=micro_batch_size, sample=False, scale=False

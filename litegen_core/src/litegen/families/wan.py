@@ -200,7 +200,7 @@ class Wan(Family):
     def encode_latents(self, pipe, pixels, micro_batch_size):
         import torch
 
-        from litegen.utils.encode import vae_encode
+        from litegen.data.vae_encode import vae_encode
 
         if pixels.dim() == 4:  # images (max_frames=1): one-frame videos
             pixels = pixels.unsqueeze(2)

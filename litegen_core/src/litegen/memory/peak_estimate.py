@@ -1,7 +1,7 @@
 """The peak device memory of one training step of one model, estimated without running it.
 
 The model is built on the meta device, gets the changes ``prepare`` makes to what it stores
-(:func:`litegen.runtime.steps.prepare_for_estimate`: LoRA adapters, then the steps of
+(:func:`litegen.runtime.steps.apply_estimate_steps`: LoRA adapters, then the steps of
 ``prepare``'s list that change the stored weights, ``cast_model`` and ``fp8_base``), and one micro-batch's forward runs on meta under ``saved_tensors_hooks``
 (:mod:`litegen.memory.saved_bytes`): shapes and dtypes only, no memory, no compute. Everything
 is in bytes, for one rank holding the whole model.
@@ -192,7 +192,7 @@ def estimate_peak(
     master_weights: bool | None = None,
 ) -> PeakEstimate:
     """Estimate one training step's peak for ``model`` (prepared with
-    :func:`litegen.runtime.steps.prepare_for_estimate`), running ``forward()`` once to count what it saves.
+    :func:`litegen.runtime.steps.apply_estimate_steps`), running ``forward()`` once to count what it saves.
 
     ``optimization`` is an ``OptimizationConfig``; ``master_weights`` whether the strategy keeps
     FP32 masters (default: ``optimizer.fp32_master_weights`` as the strategy table says);

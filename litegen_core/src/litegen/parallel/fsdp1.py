@@ -6,10 +6,10 @@ the root unit owns the rest (embeddings, final layers). ``use_orig_params=True``
 parameter objects and names visible, so optimizers rebind by name, LR schedulers keep working,
 and torch's state-dict API returns clean names (no ``_fsdp_wrapped_module``).
 
-Mixed precision (documented in docs/strategies.md) reuses ``optimization.precision.fsdp2_mixed``:
+Mixed precision (documented in docs/strategies.md) reuses ``optimization.precision.fsdp_mixed``:
 
 =====================  ========================================================
-fsdp2_mixed field      FSDP1 ``MixedPrecision`` field
+fsdp_mixed field       FSDP1 ``MixedPrecision`` field
 =====================  ========================================================
 param_dtype            param_dtype (all-gather and compute dtype)
 reduce_dtype           reduce_dtype (gradient reduce-scatter dtype)
@@ -41,11 +41,11 @@ log = logging.getLogger("litegen")
 
 
 def fsdp1_mixed_precision(cfg: Any) -> MixedPrecision | None:
-    """``optimization.precision.fsdp2_mixed`` mapped onto FSDP1; None when nothing is asked.
+    """``optimization.precision.fsdp_mixed`` mapped onto FSDP1; None when nothing is asked.
 
     Example:
-        >>> from litegen.config.sections import FSDP2MixedConfig
-        >>> fsdp1_mixed_precision(FSDP2MixedConfig(param_dtype="bf16")).param_dtype
+        >>> from litegen.config.sections import FSDPMixedConfig
+        >>> fsdp1_mixed_precision(FSDPMixedConfig(param_dtype="bf16")).param_dtype
         torch.bfloat16
     """
     # The strategy table refuses output_dtype under fsdp1 before anything is wrapped.
@@ -102,7 +102,7 @@ class Fsdp1Strategy(Strategy):
         return FullyShardedDataParallel(
             model,
             auto_wrap_policy=CustomPolicy(lambda module: id(module) in unit_ids),
-            mixed_precision=fsdp1_mixed_precision(self.optimization.precision.fsdp2_mixed),
+            mixed_precision=fsdp1_mixed_precision(self.optimization.precision.fsdp_mixed),
             use_orig_params=True,
             # Given explicitly: without it FSDP1 looks for an accelerator and refuses CPU.
             device_id=self.plan.device,

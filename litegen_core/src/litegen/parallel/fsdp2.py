@@ -12,7 +12,7 @@ every unit's parameters into and out of its all-gather buffers at each forward a
 copy the gradients through its reduce-scatter, and run its hooks around every unit. So a world
 of one trains the model unwrapped, as a single-GPU script would (said once in the log), when
 nothing else depends on the wrap: no ``cpu_offload`` (which works through it) and no
-``fsdp2_mixed`` dtypes (which the wrap applies). The parameters, the FP32 masters, the EMA
+``fsdp_mixed`` dtypes (which the wrap applies). The parameters, the FP32 masters, the EMA
 (``Shard(0)`` over the one-rank mesh, as for ddp) and the state dicts keep the same names, so
 checkpoints load at any world size and results are those of the wrapped model.
 """
@@ -84,7 +84,7 @@ class Fsdp2Strategy(Strategy):
     def trains_unwrapped(self) -> bool:
         """One rank, and nothing but sharding would come from the wrap (module docstring)."""
         cfg = self.optimization.parallel.fsdp2
-        mixed = self.optimization.precision.fsdp2_mixed
+        mixed = self.optimization.precision.fsdp_mixed
         dtypes = (mixed.param_dtype, mixed.reduce_dtype, mixed.output_dtype)
         return (
             self.unwrap_single_rank
@@ -114,7 +114,7 @@ class Fsdp2Strategy(Strategy):
         broadcast_from_rank0(model)
         common = {
             "mesh": self.mesh(),
-            "mp_policy": fsdp2_mixed_policy(self.optimization.precision.fsdp2_mixed),
+            "mp_policy": fsdp2_mixed_policy(self.optimization.precision.fsdp_mixed),
             # Excluded (frozen) parameters stay plain, replicated tensors in no unit.
             "ignored_params": ignored or None,
             "offload_policy": self.offload_policy(),

@@ -75,7 +75,7 @@ class _Partition:
     """One optimizer's ZeRO machinery: gradient buckets, partition, step hooks, state pieces."""
 
     def __init__(self, strategy: Zero1Strategy, optimizer, fqn_of: dict[int, str]) -> None:
-        settings = strategy.optimization.parallel.zero1
+        settings = strategy.optimization.parallel.zero
         plan = strategy.plan
         self.optimizer = optimizer
         self.native = settings.parameter_sync != "bucketed"
@@ -260,12 +260,12 @@ class Zero1Strategy(Strategy):
 
     def wrap_optimizer(self, optimizer, model: nn.Module, fqn_of: dict[int, str]):
         """Partition ``optimizer`` over the ranks; see the module docs for what comes back."""
-        sync = self.optimization.parallel.zero1.parameter_sync
+        sync = self.optimization.parallel.zero.parameter_sync
         if sync == "bucketed" and not isinstance(optimizer, _ELEMENTWISE):
             raise ValueError(
                 f"{self.name} with parameter_sync 'bucketed' splits tensors across ranks, which "
                 f"needs an element-wise optimizer (SGD, Adam, AdamW, ...), not "
-                f"{type(optimizer).__name__}; set optimization.parallel.zero1.parameter_sync: "
+                f"{type(optimizer).__name__}; set optimization.parallel.zero.parameter_sync: "
                 "native."
             )
         partition = _Partition(self, optimizer, fqn_of)

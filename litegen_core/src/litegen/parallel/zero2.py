@@ -5,7 +5,7 @@ difference: each gradient bucket is reduce-scattered instead of all-reduced, so 
 backward a rank holds only its partition's averaged gradients; a parameter's full ``.grad``
 is dropped as soon as it has been copied into its bucket. The step then updates the partition
 and all-gathers the parameters, as ZeRO-1's ``bucketed`` sync does. It reads its options from
-``optimization.parallel.zero1`` and needs ``parameter_sync: bucketed`` (its row of the
+``optimization.parallel.zero`` and needs ``parameter_sync: bucketed`` (its row of the
 strategy table says so).
 
 Example::

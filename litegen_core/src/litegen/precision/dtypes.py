@@ -43,13 +43,13 @@ def cast_model(model: nn.Module, dtype: str, exclude_paths: Iterable[str] = ()) 
 
 
 def fsdp2_mixed_policy(cfg) -> torch.distributed.fsdp.MixedPrecisionPolicy:
-    """``optimization.precision.fsdp2_mixed`` as torch's ``MixedPrecisionPolicy`` (fsdp2/hsdp).
+    """``optimization.precision.fsdp_mixed`` as torch's ``MixedPrecisionPolicy`` (fsdp2/hsdp).
 
     Unset dtypes stay ``None``, which torch reads as "keep the storage/gradient dtype".
 
     Example:
-        >>> from litegen.config.sections import FSDP2MixedConfig
-        >>> fsdp2_mixed_policy(FSDP2MixedConfig(param_dtype="bf16", reduce_dtype="fp32"))
+        >>> from litegen.config.sections import FSDPMixedConfig
+        >>> fsdp2_mixed_policy(FSDPMixedConfig(param_dtype="bf16", reduce_dtype="fp32"))
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ...)
     """
 

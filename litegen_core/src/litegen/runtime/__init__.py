@@ -1,1 +1,1 @@
-"""The runtime: process setup (``distributed``), the ``prepare`` pipeline and the LiteGen facade."""
+"""The runtime: process setup (``distributed``), the LiteGen facade and the steps its ``prepare`` takes with each model."""

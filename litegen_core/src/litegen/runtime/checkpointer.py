@@ -54,7 +54,7 @@ from litegen.runtime.weight_files import WeightFiles
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from litegen.runtime.prepare import PreparedModel
+    from litegen.runtime.prepare_arguments import PreparedModel
 
 log = logging.getLogger("litegen")
 

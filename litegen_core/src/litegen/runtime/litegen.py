@@ -28,7 +28,7 @@ from litegen.parallel import ParallelPlan, build_strategy
 from litegen.runtime import distributed
 from litegen.runtime.checkpointer import Checkpointer
 from litegen.runtime.model_pipeline import ModelPipeline
-from litegen.runtime.prepare import (
+from litegen.runtime.prepare_arguments import (
     PreparedModel,
     fqns_of,
     kind_of,
@@ -140,7 +140,7 @@ class LiteGen:
         DataLoader over the global-batch sampler, a DataLoader keeps its own sampler (split
         between the ranks), an iterable dataset streams (docs/data.md). One argument returns
         one object. Models that no optimizer of the call steps (a VAE, a text encoder) come
-        back frozen and unwrapped; :func:`litegen.runtime.prepare.trained_models` has the rule.
+        back frozen and unwrapped; :func:`litegen.runtime.prepare_arguments.trained_models` has the rule.
 
         Example::
 
@@ -179,7 +179,7 @@ class LiteGen:
         lab = _open_lab(optimization)
         prepared: list[PreparedModel] = []
         for slot, model, train in zip(model_slots, raw_models, trained, strict=True):
-            entry = self._pipeline.prepare(
+            entry = self._pipeline.run(
                 model,
                 strategy,
                 optimization,

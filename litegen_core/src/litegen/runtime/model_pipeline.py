@@ -17,7 +17,7 @@ from torch import nn
 from litegen.memory import MemoryReport
 from litegen.parallel import ParallelPlan
 from litegen.parallel.base import Strategy
-from litegen.runtime.prepare import PreparedModel
+from litegen.runtime.prepare_arguments import PreparedModel
 from litegen.runtime.steps import StepContext, run_steps
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ log = logging.getLogger("litegen")
 class ModelPipeline:
     """Prepares one job's models; makes the sequence-parallel group and says warnings once.
 
-    ``LiteGen`` keeps one and calls :meth:`prepare` for each model of a ``prepare`` call.
+    ``LiteGen`` keeps one and calls :meth:`run` for each model of a ``prepare`` call.
 
     Example:
         >>> pipeline = ModelPipeline(torch.device("cpu"), is_main_process=True)
@@ -43,7 +43,7 @@ class ModelPipeline:
         self._sp_groups: SequenceGroups | None = None  # made at the first split model
         self._warned_inert = False  # activation checkpointing of no block, said once
 
-    def prepare(
+    def run(
         self,
         model: nn.Module,
         strategy: Strategy,
@@ -53,7 +53,7 @@ class ModelPipeline:
         lab: Any = None,
         ema_copy: bool = False,
     ) -> PreparedModel:
-        """``model`` prepared under ``optimization`` (an ``OptimizationConfig``).
+        """``model`` through the model steps under ``optimization`` (an ``OptimizationConfig``).
 
         ``lab`` is the experimental features' :class:`litegen.experimental.Lab`, if any;
         ``ema_copy``: keep an unwrapped copy for an EMA that is a wrapped copy (fsdp1).

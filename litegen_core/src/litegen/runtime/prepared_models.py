@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from litegen.runtime.prepare import PreparedModel
+from litegen.runtime.prepare_arguments import PreparedModel
 
 if TYPE_CHECKING:
     from litegen.ema import EMA

@@ -18,7 +18,7 @@ is the design (docs/architecture.md repeats this list and explains it):
   device.
 
 :class:`litegen.runtime.model_pipeline.ModelPipeline` runs the list for ``prepare``;
-:func:`prepare_for_estimate` runs the steps that change what the model stores
+:func:`apply_estimate_steps` runs the steps that change what the model stores
 (``in_estimate``) on the meta device, for the peak estimate.
 """
 
@@ -86,7 +86,7 @@ class Step:
     """One step of :data:`MODEL_STEPS`.
 
     ``trained_only``: frozen models skip it. ``in_estimate``: it changes what the model stores,
-    so :func:`prepare_for_estimate` runs it too (on meta modules, without a strategy).
+    so :func:`apply_estimate_steps` runs it too (on meta modules, without a strategy).
     """
 
     name: str
@@ -261,7 +261,7 @@ def run_steps(ctx: StepContext, steps: tuple[Step, ...] = MODEL_STEPS) -> StepCo
 ESTIMATE_STEPS: tuple[Step, ...] = tuple(step for step in MODEL_STEPS if step.in_estimate)
 
 
-def prepare_for_estimate(
+def apply_estimate_steps(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, optimization: Any
 ) -> nn.Module:
     """What ``prepare`` changes in the stored weights of a trained model, with its own steps:
@@ -274,7 +274,7 @@ def prepare_for_estimate(
         >>> from litegen.config import OptimizationConfig
         >>> net = nn.Linear(4, 4)
         >>> opt = OptimizationConfig(precision={"cast_model": "bf16"})
-        >>> prepare_for_estimate(net, None, opt).weight.dtype
+        >>> apply_estimate_steps(net, None, opt).weight.dtype
         torch.bfloat16
     """
     lora = optimization.lora
@@ -285,11 +285,18 @@ def prepare_for_estimate(
     return run_steps(StepContext(model, optimization, trained=True), ESTIMATE_STEPS).model
 
 
+def __getattr__(name: str) -> Any:
+    # Earlier names of this module's functions, with a warning naming the new one.
+    from litegen.utils.moved_modules import renamed_attribute
+
+    return renamed_attribute(__name__, name)
+
+
 __all__ = [
     "ESTIMATE_STEPS",
     "MODEL_STEPS",
     "Step",
     "StepContext",
-    "prepare_for_estimate",
+    "apply_estimate_steps",
     "run_steps",
 ]

@@ -27,7 +27,7 @@ from litegen.lora import adapter_file_state, has_adapters, save_peft_folder
 from litegen.runtime.prepared_models import PreparedModels
 
 if TYPE_CHECKING:
-    from litegen.runtime.prepare import PreparedModel
+    from litegen.runtime.prepare_arguments import PreparedModel
 
 log = logging.getLogger("litegen")
 

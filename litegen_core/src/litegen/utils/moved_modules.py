@@ -2,14 +2,16 @@
 the new path.
 
 ``litegen/__init__.py`` installs :class:`MovedModuleFinder` once, so ``import litegen.blocks``
-and ``from litegen.blocks import find_blocks`` load ``litegen.model_parts.blocks`` under both
+and ``from litegen.blocks import repeated_blocks`` load ``litegen.model_parts.blocks`` under both
 names. A package that took an old module's name (``litegen.precision``, ``litegen.flops``)
-forwards that module's names through its ``__getattr__`` and :func:`moved_attribute`.
+forwards that module's names through its ``__getattr__`` and :func:`moved_attribute`. The same
+finder serves the public paths the spec fixes from the module of their layer
+(:data:`PUBLIC_PATHS`), without a warning.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     from litegen.blocks import find_blocks
+    ...     from litegen.blocks import repeated_blocks
     >>> "litegen.model_parts.blocks" in str(caught[0].message)
     True
 """
@@ -50,10 +52,18 @@ MOVED: dict[str, str] = {
     "litegen.experimental.gelu_mlp": "litegen.experimental.fused_gelu_mlp_op",
     "litegen.experimental.mlp_fusion": "litegen.experimental.fused_gelu_mlp",
     "litegen.memory.chunked_mlp": "litegen.memory.mlp_token_chunks",
+    "litegen.runtime.prepare": "litegen.runtime.prepare_arguments",
+}
+
+# Paths the spec fixes, served by the module of the layer its code belongs to: they load
+# that module under both names, without a warning (they are not deprecated).
+PUBLIC_PATHS: dict[str, str] = {
+    "litegen.utils.encode": "litegen.data.vae_encode",
 }
 
 # module -> old public name -> new name in the same module.
 RENAMED: dict[str, dict[str, str]] = {
+    "litegen.runtime.steps": {"prepare_for_estimate": "apply_estimate_steps"},
     "litegen.parallel.wrap": {"plan_units": "select_wrap_units"},
     "litegen.memory": {"BudgetPlanner": "BudgetChooser", "BudgetPlan": "BudgetChoice"},
     "litegen.memory.budget": {
@@ -81,11 +91,13 @@ def _is_package_now(old: str) -> bool:
 
 
 class _AliasLoader(importlib.abc.Loader):
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str, deprecated: bool = True) -> None:
         self.new = new
+        self.deprecated = deprecated
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        _warn(spec.name, self.new)
+        if self.deprecated:
+            _warn(spec.name, self.new)
         return importlib.import_module(self.new)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -93,9 +105,13 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds an old module path of :data:`MOVED` and loads the new module under it."""
+    """Finds an old module path of :data:`MOVED`, or a path of :data:`PUBLIC_PATHS`, and loads
+    the module it names under it."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname in PUBLIC_PATHS:
+            loader = _AliasLoader(PUBLIC_PATHS[fullname], deprecated=False)
+            return importlib.machinery.ModuleSpec(fullname, loader)
         new = MOVED.get(fullname)
         if new is None or _is_package_now(fullname):
             return None

@@ -2,7 +2,9 @@
 
 Encoding a whole training batch (or a whole dataset shard) through a VAE at once
 needs activation memory for every sample together; slicing bounds peak memory by
-one slice while giving the same latents.
+one slice while giving the same latents. The public path is the spec's,
+``litegen.utils.encode`` (:data:`litegen.utils.moved_modules.PUBLIC_PATHS`); the module lives
+with the data it encodes, in the layer of its imports.
 
     from litegen.utils.encode import vae_encode
 

@@ -1,8 +1,10 @@
-"""The ``prepare`` pipeline: sort what the user passed, then process it in a fixed order.
+"""What a ``LiteGen.prepare`` call was passed, sorted, and the record of each model it returns.
 
-Models come first (load ``init_from``, cast, kernel swaps, then the strategy's wrap), then the
-optimizers that depend on them (rebound to the wrapped parameters), then datasets. Results
-come back in the order the arguments were given.
+The kind of each argument (model, optimizer, dataset, DataLoader; anything else is refused),
+the model each optimizer steps, which models are trained and which frozen, and
+:class:`PreparedModel`. ``LiteGen.prepare`` (``runtime/litegen.py``) then processes models
+first, the optimizers that depend on them next, then datasets, and returns the results in the
+order the arguments were given.
 """
 
 from __future__ import annotations
