@@ -14,7 +14,8 @@
 # Environment: WORK (scratch folder, default /tmp/finetune_real; Wan 1.3B's pipeline takes ~6 GB,
 # the 14B's ~32 GB), PIPE (default wan-1.3b), RECIPE (default recipes/finetune_video.yaml), SIZE
 # (WIDTHxHEIGHT, default 832x480), FRAMES (default 49; 1 writes PNG images), STEPS (default 20),
-# CLIPS (default 2), SAMPLE_STEPS (validation steps, default 4), EXTRA (more recipe overrides).
+# CLIPS (default 2), SAMPLE_STEPS (validation steps, default 4), CHECKPOINT_EVERY (default STEPS;
+# 0: no run checkpoint), EXTRA (more recipe overrides).
 # A quick CPU check of the script itself: PIPE=wan SIZE=64x48 FRAMES=9 STEPS=2 and
 # EXTRA="finetune.data.resolution=48 finetune.data.max_frames=9 trainer.validation.height=48
 # trainer.validation.width=64 trainer.validation.frames=9".
@@ -67,7 +68,7 @@ lap "cache built"
 rm -rf "$WORK/results"
 "${CLI[@]}" launch "${common[@]}" "results_dir=$WORK/results" \
     "max_steps=$STEPS" trainer.log_every=1 "trainer.sample_every=$STEPS" \
-    "trainer.checkpoint_every=$STEPS" "trainer.validation.steps=$SAMPLE_STEPS"
+    "trainer.checkpoint_every=${CHECKPOINT_EVERY:-$STEPS}" "trainer.validation.steps=$SAMPLE_STEPS"
 lap "trained $STEPS steps"
 "${PY[@]}" - "$WORK/results" "${OUT:-}" <<'PY'
 import json, shutil, statistics, sys

@@ -162,3 +162,10 @@ def test_a_lora_run_resumes_from_its_run_checkpoint_exactly(tmp_path):
     for key in ("state", "ema"):
         for name, value in straight[key].items():
             assert torch.equal(value, resumed[key][name]), (key, name)
+    # The run checkpoint holds what trains; the frozen base comes from the model on every start.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (model_dir,) = {p.parent for p in (tmp_path / "b").glob("**/model_0/.metadata")}
+    saved = FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
+    weights = [key for key in saved if key.startswith("model.")]
+    assert weights and all("lora_" in key for key in weights), weights

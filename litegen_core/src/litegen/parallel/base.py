@@ -241,20 +241,41 @@ class Strategy:
 
     # -- sharded state for torch.distributed.checkpoint (reshards on load) -------------------
     def dcp_state(self, model: nn.Module, optimizer=None) -> dict[str, Any]:
-        """Model (and optimizer) state as DCP expects it: sharded where the strategy shards."""
+        """Model (and optimizer) state as DCP expects it: sharded where the strategy shards.
+        A model with LoRA adapters keeps only what trains (its frozen base is the pipeline's)."""
+        options = dcp_options(model)
         if optimizer is None:
-            return {"model": get_model_state_dict(model)}
-        model_state, optim_state = get_state_dict(model, optimizer)
+            return {"model": get_model_state_dict(model, options=options)}
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         return {"model": model_state, "optimizer": optim_state}
 
     def load_dcp_state(self, model: nn.Module, optimizer, state: dict[str, Any]) -> None:
         """Apply a state dict that ``dcp.load`` filled in place of :meth:`dcp_state`'s."""
+        options = dcp_options(model)
         if optimizer is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=options)
         else:
             set_state_dict(
                 model,
                 optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
+                options=options,
             )
+
+
+def dcp_options(model: nn.Module) -> StateDictOptions:
+    """How a run checkpoint holds ``model``: all of it, or, when it trains LoRA adapters, the
+    trainable parameters alone. The frozen base comes from the pipeline on every start, so a
+    14B base is not written again at every checkpoint; ``strict=False`` lets the load leave
+    it in place (``dcp.load`` still refuses a checkpoint that lacks an adapter).
+
+    Example::
+
+        dcp.save({"model": get_model_state_dict(model, options=dcp_options(model))}, ...)
+    """
+    from litegen.lora import has_adapters
+
+    if not has_adapters(model):
+        return StateDictOptions()
+    return StateDictOptions(ignore_frozen_params=True, strict=False)

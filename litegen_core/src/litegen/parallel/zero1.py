@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from litegen.checkpoint import zero_state
 from litegen.optim import apply_backend, configure_optimizer, enable_master_weights
-from litegen.parallel.base import Strategy, broadcast_from_rank0
+from litegen.parallel.base import Strategy, broadcast_from_rank0, dcp_options
 from litegen.parallel.grad_buckets import (
     BucketedGradients,
     build_buckets,
@@ -358,7 +358,7 @@ class Zero1Strategy(Strategy):
     # -- torch.distributed.checkpoint ------------------------------------------------------------
     def dcp_state(self, model: nn.Module, optimizer=None) -> dict[str, Any]:
         """Model and the full optimizer state per FQN (replicated, so DCP writes it once)."""
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=dcp_options(model))}
         if optimizer is not None:
             # DCP loads into the tensors it is given, so they must exist before a first step.
             _init_optim_state(optimizer)
@@ -366,7 +366,7 @@ class Zero1Strategy(Strategy):
         return state
 
     def load_dcp_state(self, model: nn.Module, optimizer, state: dict[str, Any]) -> None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=dcp_options(model))
         if optimizer is not None:
             self.load_full_optimizer_state(optimizer, model, state["optimizer"])
 
