@@ -210,8 +210,23 @@ def checkpoint_weights(
     state = {key[len("model.") :]: t for key, t in buffers.items() if key.startswith("model.")}
     if ema:
         state.update({key[len("ema.") :]: t for key, t in buffers.items() if key[:4] == "ema."})
-    check_model_state(module.state_dict(), state, model_dir)
-    return state
+    own = module.state_dict()
+    required = set(own) - _frozen_base_keys(module)
+    check_model_state(
+        {k: v for k, v in own.items() if k in required or k in state}, state, model_dir
+    )
+    # A LoRA run checkpoint holds the adapters alone; the frozen base is the pipeline's.
+    return {**{k: v for k, v in own.items() if k not in state}, **state}
+
+
+def _frozen_base_keys(module: nn.Module) -> set[str]:
+    """The keys a LoRA run checkpoint leaves out (the frozen parameters), none without LoRA."""
+    from litegen.lora import has_adapters
+
+    if not has_adapters(module):
+        return set()
+    named = module.named_parameters(remove_duplicate=False)
+    return {name for name, param in named if not param.requires_grad}
 
 
 def checkpoint_has_ema(model_dir: str | Path) -> bool:

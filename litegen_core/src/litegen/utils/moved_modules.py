@@ -8,7 +8,8 @@ forwards that module's names through its ``__getattr__`` and :func:`moved_attrib
 finder serves the public paths the spec fixes from the module of their layer
 (:data:`PUBLIC_PATHS`), without a warning.
 
-    >>> import warnings
+    >>> import sys, warnings
+    >>> _ = sys.modules.pop("litegen.blocks", None)  # a cached old name warns only once
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     from litegen.blocks import repeated_blocks
