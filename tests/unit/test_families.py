@@ -213,3 +213,12 @@ def test_the_key_map_of_a_sharded_transformer_is_its_class_s():
     wan.__class__ = type("FSDPWanTransformer3DModel", (type(wan),), {})
     assert key_map_for(wan) is Wan.original_keys
     assert original_format_classes() == sorted(set(original_format_classes()))
+
+
+@pytest.mark.parametrize("name", ["wan_i2v", "ltx_video_i2v", "flux_kontext", "qwen_image_edit"])
+def test_a_conditioned_sample_without_one_file_per_prompt_names_the_setting(name):
+    family = family_named(name)()
+    condition = next(iter(family.media_conditions))
+    with pytest.raises(ValueError, match=rf"trainer\.validation\.conditions\.{condition}") as err:
+        family.sample(None, ["a cat", "a dog"], None, None, {condition: ["one.png"]})
+    assert "(1 for 2 prompts)" in str(err.value)

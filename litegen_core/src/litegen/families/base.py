@@ -266,6 +266,21 @@ class Family:
         the fine-tuning road passes it only to a family with media conditions)."""
         raise NotImplementedError
 
+    def inputs_per_prompt(
+        self, conditions: dict[str, list[Any]] | None, name: str, prompts: list[str]
+    ) -> list[Any]:
+        """The validation inputs of media condition ``name``, one per prompt, for :meth:`sample`;
+        a ValueError naming the setting when they are missing or not one per prompt."""
+        inputs = (conditions or {}).get(name)
+        if inputs is None or len(inputs) != len(prompts):
+            given = 0 if inputs is None else len(inputs)
+            raise ValueError(
+                f"{self.pipeline_class} samples take one {name} file per prompt ({given} for "
+                f"{len(prompts)} prompts): give trainer.validation.conditions.{name}, one file "
+                "per prompt."
+            )
+        return inputs
+
 
 def empty_caption_key(name: str) -> str:
     """The batch name of text tensor ``name`` of the empty caption with a sample's own

@@ -108,12 +108,7 @@ class FluxKontext(Flux):
         ``reference``, a ``PIL.Image`` per prompt)."""
         import torch
 
-        references = (conditions or {}).get("reference")
-        if references is None or len(references) != len(prompts):
-            raise ValueError(
-                f"{self.pipeline_class} samples edit a reference image per prompt: give "
-                "trainer.validation.conditions.reference, one file per prompt."
-            )
+        references = self.inputs_per_prompt(conditions, "reference", prompts)
         # The pipeline scales its output to max_area (1024^2 by default) at the asked aspect.
         sizes = {}
         if validation.height and validation.width:

@@ -352,12 +352,7 @@ class LTXVideoI2V(LTXVideo):
     def sample(self, pipe, prompts, validation, generator, conditions=None):
         """Samples from a first frame per prompt (``conditions``'s ``image``, a
         ``PIL.Image`` each), in one pipeline call."""
-        images = (conditions or {}).get("image")
-        if images is None or len(images) != len(prompts):
-            raise ValueError(
-                f"{self.pipeline_class} samples from a first frame per prompt: give "
-                "trainer.validation.conditions.image, one file per prompt."
-            )
+        images = self.inputs_per_prompt(conditions, "image", prompts)
         frames = pipe(
             image=list(images),
             prompt=prompts,

@@ -182,12 +182,7 @@ class QwenImageEdit(QwenImage):
         ``reference``, a ``PIL.Image`` per prompt)."""
         import torch
 
-        references = (conditions or {}).get("reference")
-        if references is None or len(references) != len(prompts):
-            raise ValueError(
-                f"{self.pipeline_class} samples edit a reference image per prompt: give "
-                "trainer.validation.conditions.reference, one file per prompt."
-            )
+        references = self.inputs_per_prompt(conditions, "reference", prompts)
         with with_processor(pipe):
             images = [
                 pipe(

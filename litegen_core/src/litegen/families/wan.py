@@ -352,12 +352,7 @@ class WanI2V(Wan):
         ``image``, a ``PIL.Image`` per prompt)."""
         import torch
 
-        images = (conditions or {}).get("image")
-        if images is None or len(images) != len(prompts):
-            raise ValueError(
-                f"{self.pipeline_class} samples from a first frame per prompt: give "
-                "trainer.validation.conditions.image, one file per prompt."
-            )
+        images = self.inputs_per_prompt(conditions, "image", prompts)
         empty = _umt5_embeds(pipe, [""])  # the pipeline's default negative prompt
         videos = [
             pipe(
