@@ -192,17 +192,8 @@ class LiteGen:
             results[slot] = entry.module
         for i, kind in enumerate(kinds):
             if kind == "optimizer":
-                owner = owners[i]
-                entry = prepared[owner]
-                names = fqns[owner]
-                groups = objects[i].param_groups
-                entry.param_names.append(
-                    [[names.get(id(p), "?") for p in g["params"]] for g in groups]
-                )
-                results[i] = strategy.wrap_optimizer(objects[i], entry.module, fqns[owner])
-                if lab is not None:
-                    lab.configure_optimizer(results[i])
-                entry.optimizers.append(results[i])
+                entry = prepared[owners[i]]
+                results[i] = _wrap_optimizer(objects[i], entry, fqns[owners[i]], strategy, lab)
             elif kind in ("dataset", "dataloader"):
                 results[i] = self._prepare_data(objects[i])
         if self.config.ema.enable and self.ema is None:
@@ -342,6 +333,25 @@ class LiteGen:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _wrap_optimizer(
+    optimizer: torch.optim.Optimizer,
+    entry: PreparedModel,
+    names: dict[int, str],
+    strategy: Any,
+    lab: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer`` wrapped by ``strategy`` for the model of ``entry``, which keeps it and
+    its parameters' names (``names``: parameter id -> name, taken before wrapping)."""
+    entry.param_names.append(
+        [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+    )
+    wrapped = strategy.wrap_optimizer(optimizer, entry.module, names)
+    if lab is not None:
+        lab.configure_optimizer(wrapped)
+    entry.optimizers.append(wrapped)
+    return wrapped
 
 
 def _open_lab(optimization: Any) -> Any:
