@@ -211,22 +211,19 @@ def checkpoint_weights(
     if ema:
         state.update({key[len("ema.") :]: t for key, t in buffers.items() if key[:4] == "ema."})
     own = module.state_dict()
-    required = set(own) - _frozen_base_keys(module)
-    check_model_state(
-        {k: v for k, v in own.items() if k in required or k in state}, state, model_dir
-    )
+    held = _held_by_run_checkpoints(module)
+    check_model_state({k: v for k, v in own.items() if k in held or k in state}, state, model_dir)
     # A LoRA run checkpoint holds the adapters alone; the frozen base is the pipeline's.
-    return {**{k: v for k, v in own.items() if k not in state}, **state}
+    return {**own, **state}
 
 
-def _frozen_base_keys(module: nn.Module) -> set[str]:
-    """The keys a LoRA run checkpoint leaves out (the frozen parameters), none without LoRA."""
-    from litegen.lora import has_adapters
+def _held_by_run_checkpoints(module: nn.Module) -> set[str]:
+    """The keys a run checkpoint of ``module`` holds, by the rule the strategies save with."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if not has_adapters(module):
-        return set()
-    named = module.named_parameters(remove_duplicate=False)
-    return {name for name, param in named if not param.requires_grad}
+    from litegen.parallel.base import dcp_options
+
+    return set(get_model_state_dict(module, options=dcp_options(module)))
 
 
 def checkpoint_has_ema(model_dir: str | Path) -> bool:
