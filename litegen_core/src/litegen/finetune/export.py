@@ -173,9 +173,10 @@ def _original_key_map(transformer: nn.Module) -> KeyMap:
 def checkpoint_weights(
     model_dir: str | Path, module: nn.Module, *, ema: bool
 ) -> dict[str, torch.Tensor]:
-    """The full weights of ``module`` saved in the DCP folder ``model_dir`` of a run checkpoint
-    (``step_<N>/model_0``), the EMA's where it averaged them with ``ema``. Reads in this process
-    alone, whatever the number of ranks that saved it.
+    """The full weights of ``module`` from the DCP folder ``model_dir`` of a run checkpoint
+    (``step_<N>/model_0``), the EMA's where it averaged them with ``ema``; what the checkpoint
+    does not hold (a LoRA run's frozen base) is ``module``'s own. Reads in this process alone,
+    whatever the number of ranks that saved it.
 
     Example::
 
