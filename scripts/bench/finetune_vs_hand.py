@@ -14,8 +14,8 @@ two rounds): side, samples/s of each round, their median, peak GiB, and the rati
 Sides: ``hand`` (eager), ``hand-compiled`` (each block ``torch.compile``'d), ``launch`` (the
 recipe as shipped), ``launch-compiled`` (``optimization.compile.enabled=true``, ``dynamic:
 null``), ``launch-recommended`` (docs/performance.md's fine-tuning settings), ``launch-tuned``
-(those and inductor's ``coordinate_descent_tuning``) and ``launch-tuned-wan`` (and
-``fused_wan_attention``).
+(those and inductor's ``coordinate_descent_tuning``), ``launch-tuned-wan`` (and
+``fused_wan_attention``) and ``launch-lab-wan`` (and ``fused_gelu_mlp``).
 
 On a GPU node without uv, from the repository root (docs in /work/shared/gpu/README.md)::
 
@@ -52,12 +52,20 @@ LAUNCH_SIDES: dict[str, list[str]] = {
     "launch-compiled": ["optimization.compile.enabled=true", "optimization.compile.dynamic=null"],
     "launch-recommended": _RECOMMENDED,
     # Candidates for the recommended settings: tuned Triton launches (longer cold compiles) and,
-    # on Wan, the fused query/key norm and rotary embedding (the adapted projections stay apart).
+    # on Wan, the fused self-attention (one GEMM each way for the projections and for their
+    # adapters, the query/key norm and rotary embedding in one kernel) and the GELU MLP with its
+    # activation in the GEMMs' epilogues.
     "launch-tuned": [*_RECOMMENDED, "optimization.compile.options.coordinate_descent_tuning=true"],
     "launch-tuned-wan": [
         *_RECOMMENDED,
         "optimization.compile.options.coordinate_descent_tuning=true",
         "optimization.experimental.fused_wan_attention=true",
+    ],
+    "launch-lab-wan": [
+        *_RECOMMENDED,
+        "optimization.compile.options.coordinate_descent_tuning=true",
+        "optimization.experimental.fused_wan_attention=true",
+        "optimization.experimental.fused_gelu_mlp=true",
     ],
 }
 HAND_SIDES: dict[str, list[str]] = {"hand": [], "hand-compiled": ["--compile"]}

@@ -71,3 +71,27 @@ def test_compiled_dit_with_fused_mlps_matches_eager_under_autocast():
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=5e-2, atol=5e-3, msg=name)
     torch._dynamo.reset()
+
+
+def test_frozen_fused_mlp_gives_the_input_gradient_of_the_unfused_one():
+    # A LoRA run's base MLP: the DGELU GEMM and the input gradient's, no weight gradients.
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    reference = FeedForward(1536, activation_fn="gelu-approximate").cuda().requires_grad_(False)
+    fused = copy.deepcopy(reference)
+    assert apply_fused_gelu_mlp(fused) == 1
+    x = randn(1, 1024, 1536)
+    results = []
+    for model in (reference, torch.compile(fused)):
+        x_ = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = model(x_)
+        y.float().square().mean().backward()
+        results.append((y, x_.grad))
+    (ref_y, ref_dx), (y, dx) = results
+    close(y, ref_y)
+    error = (dx.float() - ref_dx.float()).norm() / ref_dx.float().norm()
+    assert error < 2e-2, error
+    assert all(p.grad is None for p in fused.parameters())
+    torch._dynamo.reset()

@@ -134,6 +134,41 @@ def test_a_fused_mlp_changed_later_runs_its_own_forward_again():
     torch.testing.assert_close(fused[:2](x), reference[:2](x))  # slicing keeps working
 
 
+def saved_shapes(model: nn.Module, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shapes of the tensors autograd saves for ``model(x)``'s backward."""
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x)
+    return shapes
+
+
+def test_a_frozen_fused_mlp_gives_the_input_gradient_alone_and_saves_less():
+    # The base MLP of a LoRA run: its weights take no gradient, so the backward computes only
+    # the input's, and neither x nor the activation h (tokens x hidden) is kept for it.
+    torch.manual_seed(0)
+    reference = sequential_mlp().requires_grad_(False)
+    fused = copy.deepcopy(reference)
+    apply_fused_gelu_mlp(fused)
+    x = torch.randn(2, 5, 16)
+    for compiled in (False, True):
+        model = torch.compile(fused, backend="aot_eager") if compiled else fused
+        ref_dx, _ = grads_of(reference, x)
+        dx, grads = grads_of(model, x)
+        torch.testing.assert_close(dx, ref_dx)
+        assert set(grads) == {"loss"} and all(p.grad is None for p in fused.parameters())
+    trained = copy.deepcopy(fused).requires_grad_(True)
+    x = x.requires_grad_()
+    activation = (10, 64)  # (tokens, hidden): pre and h of the trained MLP, pre of the frozen one
+    assert saved_shapes(trained, x).count(activation) == 2
+    assert saved_shapes(fused, x).count(activation) == 1
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def timm_importable(monkeypatch):
     """``timm.layers.mlp.Mlp`` resolvable by pickle, as it is where timm is installed."""

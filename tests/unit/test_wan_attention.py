@@ -24,9 +24,11 @@ from litegen.experimental import TESTED_TORCH, Lab, torch_release
 
 pytest.importorskip("triton")
 
+from litegen.experimental.fused_gelu_mlp import is_fused
 from litegen.experimental.qk_norm_rope import qk_norm_rope, reference
 from litegen.experimental.wan_attention import (
     FusedWanSelfAttention,
+    _shared_lora_adapters,
     apply_fused_wan_attention,
 )
 from litegen_zoo.real_models import REAL_MODELS
@@ -138,19 +140,31 @@ def test_lab_swaps_wan_and_warns_when_a_model_has_none(tested_here, caplog):
     assert "fused_wan_attention" in caplog.text and "nothing was fused" in caplog.text
 
 
-def test_prepare_trains_wan_with_the_switch_like_without(tested_here, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_prepare_trains_wan_with_the_switches_like_without(
+    tested_here, monkeypatch, tmp_path, lora
+):
+    # The fine-tuning settings together: LoRA on the projections, the fused attention and the
+    # fused GELU MLP (torch's kernels on the CPU) give the losses of the plain model.
+    monkeypatch.setitem(TESTED_TORCH, "fused_gelu_mlp", (torch_release(),))
+    if lora:
+        pytest.importorskip("peft")
     losses = []
     for switch in (False, True):
+        optimization = {"experimental": {"fused_wan_attention": switch, "fused_gelu_mlp": switch}}
+        if lora:
+            optimization["lora"] = {"rank": 4, "alpha": 8, "target_modules": LORA_TARGETS}
         config = {
             "results_dir": str(tmp_path / str(switch)),
             "runtime": {"device": "cpu"},
-            "optimization": {"experimental": {"fused_wan_attention": switch}},
+            "optimization": optimization,
         }
         gen = litegen.initialize(MainConfig.from_dict(config))
         model = tiny_wan()
         model, optimizer = gen.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         fused = [b.attn1.processor for b in model.blocks]
         assert all(isinstance(p, FusedWanSelfAttention) for p in fused) == switch
+        assert all(is_fused(b.ffn) for b in model.blocks) == switch
         run_losses = []
         for step in range(3):
             optimizer.zero_grad()
@@ -161,6 +175,9 @@ def test_prepare_trains_wan_with_the_switch_like_without(tested_here, tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
 def test_angles_for_other_tokens_are_an_error_naming_the_shapes():
     x, weight = torch.randn(2, 3, 8), torch.ones(8)
     angles = torch.randn(1, 4, 1, 4)  # 4 tokens of angles for 3 tokens
@@ -168,12 +185,13 @@ def test_angles_for_other_tokens_are_an_error_naming_the_shapes():
         qk_norm_rope(x, weight, angles.cos(), angles.sin(), 1e-6)
 
 
-def test_lora_adapters_on_the_projections_still_apply():
+def lora_wan(**lora):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        tiny_wan(),
-        peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False),
-    )
+    config = {"r": 4, "target_modules": ["to_q", "to_k", "to_v"], "init_lora_weights": False}
+    return peft.get_peft_model(tiny_wan(), peft.LoraConfig(**(config | lora)))
+
+
+def assert_trains_like_peft(model: torch.nn.Module) -> None:
     fused = copy.deepcopy(model)
     assert apply_fused_wan_attention(fused) == 2
     torch.testing.assert_close(run(fused), run(model))
@@ -182,3 +200,44 @@ def test_lora_adapters_on_the_projections_still_apply():
     fused_grads = dict(fused.named_parameters())
     for name, p in adapters:
         torch.testing.assert_close(fused_grads[name].grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("alpha", [4, 12], ids=["scale_1", "scale_3"])
+def test_lora_adapters_on_the_projections_run_fused_and_train_like_peft(alpha):
+    model = lora_wan(lora_alpha=alpha)
+    attn = model.base_model.model.blocks[0].attn1
+    assert _shared_lora_adapters((attn.to_q, attn.to_k, attn.to_v)) == ("default",)
+    assert_trains_like_peft(model)
+
+
+def test_lora_layers_the_fused_gemms_cannot_serve_run_as_their_own_modules():
+    for model in (lora_wan(lora_dropout=0.1), lora_wan(use_dora=True)):
+        attn = model.base_model.model.blocks[0].attn1
+        assert _shared_lora_adapters((attn.to_q, attn.to_k, attn.to_v)) is None
+    model = lora_wan(use_dora=True)
+    assert_trains_like_peft(model)
+
+
+def test_compiled_lora_wan_runs_the_fused_projection_in_one_graph_per_block():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from litegen.compile import compile_blocks
+    from litegen.utils.config import CompileConfig
+
+    torch._dynamo.reset()
+    model = lora_wan()
+    fused = copy.deepcopy(model)
+    apply_fused_wan_attention(fused)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(fused.base_model.model, CompileConfig(enabled=True), backend=counter)
+    torch.testing.assert_close(run(fused), run(model))
+    # One block graph (the second block's input needs a gradient: a second graph), no breaks.
+    assert counter.frame_count == 2
+    block_diagonal = [
+        node
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.target is torch.block_diag
+    ]
+    assert len(block_diagonal) == 2
+    torch._dynamo.reset()

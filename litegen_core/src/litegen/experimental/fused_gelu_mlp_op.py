@@ -10,7 +10,9 @@ epilogues (:mod:`litegen.experimental.cublaslt`):
 * backward: ``grad_pre = (grad_y @ w2) * gelu'(pre)`` in one GEMM (``DGELU``), then the
   weight and input gradients as plain GEMMs and the bias gradients as GEMVs (:func:`sum_rows`).
 
-It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). The pair is one custom op
+It saves what inductor saves for this MLP (``x``, ``pre``, ``h``). A frozen MLP (the base of a
+LoRA run) saves ``pre`` alone and its backward is the ``DGELU`` GEMM and the input gradient's:
+the weight gradients, half of an MLP's backward, are not computed. The pair is one custom op
 (``litegen::gelu_mlp``, with its backward op), opaque to ``torch.compile``, with FLOP formulas
 so MFU still counts it. Off CUDA, in fp32, for non-contiguous or mixed-dtype inputs, or when
 cuBLASLt does not serve a shape, the same ops run with torch's kernels.
@@ -89,15 +91,40 @@ def _(
     )
 
 
+@torch.library.custom_op("litegen::gelu_mlp_input_backward", mutates_args=())
+def gelu_mlp_input_backward(grad_y: Tensor, w1: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
+    """The gradient of :func:`gelu_mlp`'s ``y`` for ``x`` alone (frozen weights)."""
+    grad_pre = cublaslt.dgelu(grad_y, w2, pre)
+    if grad_pre is None:
+        grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
+    return grad_pre @ w1
+
+
+@gelu_mlp_input_backward.register_fake
+def _(grad_y: Tensor, w1: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
+    return grad_y.new_empty(grad_y.shape[0], w1.shape[1])
+
+
+def _trains_weights(ctx) -> bool:
+    return any(ctx.needs_input_grad[1:])
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, w1, _, w2, _ = inputs
     _, pre, h = output
-    ctx.save_for_backward(x, w1, w2, pre, h)
+    # A frozen MLP's backward reads neither x nor h: not saving them frees both for the step.
+    if _trains_weights(ctx):
+        ctx.save_for_backward(x, w1, w2, pre, h)
+    else:
+        ctx.save_for_backward(w1, w2, pre)
 
 
 def _backward(ctx, grad_y: Tensor, _grad_pre: Tensor, _grad_h: Tensor) -> tuple[Tensor, ...]:
-    x, w1, w2, pre, h = ctx.saved_tensors
-    return gelu_mlp_backward(grad_y.contiguous(), x, w1, w2, pre, h)
+    if _trains_weights(ctx):
+        x, w1, w2, pre, h = ctx.saved_tensors
+        return gelu_mlp_backward(grad_y.contiguous(), x, w1, w2, pre, h)
+    w1, w2, pre = ctx.saved_tensors
+    return gelu_mlp_input_backward(grad_y.contiguous(), w1, w2, pre), None, None, None, None
 
 
 gelu_mlp.register_autograd(_backward, setup_context=_setup_context)
@@ -113,4 +140,9 @@ def _backward_flops(grad_y, x, w1, w2, pre, h, *args, **kwargs) -> int:
     return 4 * x[0] * w1[0] * (x[1] + w2[0])  # input and weight gradients of both GEMMs
 
 
-__all__ = ["gelu_mlp", "gelu_mlp_backward", "sum_rows"]
+@register_flop_formula(torch.ops.litegen.gelu_mlp_input_backward)
+def _input_backward_flops(grad_y, w1, w2, pre, *args, **kwargs) -> int:
+    return 2 * grad_y[0] * w1[0] * (w1[1] + w2[0])  # input gradients of both GEMMs
+
+
+__all__ = ["gelu_mlp", "gelu_mlp_backward", "gelu_mlp_input_backward", "sum_rows"]

@@ -3,9 +3,14 @@
 diffusers' ``WanAttention`` layers normalise the query and key across heads, then rotate them
 (:mod:`litegen.experimental.qk_norm_rope` does both in one pass each way).
 :func:`apply_fused_wan_attention` gives each self-attention layer of a model a processor that
-projects the query, key and value in one GEMM (the three weights concatenated; projections with
-LoRA adapters or hooks run as their own modules), runs that op on the query and the key, then
-torch's ``scaled_dot_product_attention`` as diffusers does. Parameters, module tree and
+projects the query, key and value in one GEMM (the three weights concatenated), runs that op on
+the query and the key, then torch's ``scaled_dot_product_attention`` as diffusers does.
+
+With peft's LoRA on the three projections, the adapters are fused too: one GEMM for their three
+``lora_A`` (concatenated) and one for their ``lora_B`` (block-diagonal, each scale multiplied
+in), so the hidden states are read once for six GEMMs' work, forward and backward. Projections
+with hooks, dropout, DoRA or other variants, merged or disabled adapters run as their own
+modules. Parameters, module tree and
 ``state_dict`` stay the model's own. A call this processor does not cover (cross-attention, a
 mask, no rotary embedding, diffusers' own context parallelism or attention backend, fused
 projections) runs the layer's original processor.
@@ -59,20 +64,59 @@ class FusedWanSelfAttention:
 
 
 def _project(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Query, key and value: one GEMM over the concatenated weights of plain linear layers.
-
-    A projection that is more than its weight (a LoRA adapter, a hook, a wrapper class) runs
-    as its own module.
-    """
+    """Query, key and value: one GEMM over the concatenated weights (module docstring)."""
     projections = (attn.to_q, attn.to_k, attn.to_v)
-    if not all(type(p) is nn.Linear and not _hooked(p) for p in projections):
+    adapters = _shared_lora_adapters(projections)
+    if adapters is None:
         return tuple(p(hidden_states) for p in projections)
+    bases = [getattr(p, "base_layer", p) for p in projections]
     qkv = F.linear(
         hidden_states,
-        torch.cat([p.weight for p in projections]),
-        torch.cat([p.bias for p in projections]),
+        torch.cat([b.weight for b in bases]),
+        torch.cat([b.bias for b in bases]),
     )
-    return qkv.chunk(3, dim=-1)
+    result_dtype = qkv.dtype
+    for name in adapters:
+        down = torch.cat([p.lora_A[name].weight for p in projections])
+        up = torch.block_diag(*(p.lora_B[name].weight * p.scaling[name] for p in projections))
+        # peft casts the input to the adapter's dtype (a no-op under autocast's GEMMs).
+        qkv = qkv + F.linear(F.linear(hidden_states.to(down.dtype), down), up)
+    return qkv.to(result_dtype).chunk(3, dim=-1)
+
+
+def _shared_lora_adapters(projections: tuple[nn.Module, ...]) -> tuple[str, ...] | None:
+    """The active LoRA adapters of three projections that can run as one GEMM each way: ``()``
+    for plain linear layers, None when any projection must run as its own module."""
+    if not all(_plain_linear(p) for p in projections):
+        if not all(_plain_lora(p) for p in projections):
+            return None
+        active = {tuple(p.active_adapters) for p in projections}
+        if len(active) != 1:
+            return None
+        return tuple(active.pop())
+    return ()
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.bias is not None and not _hooked(module)
+
+
+def _plain_lora(module: nn.Module) -> bool:
+    """A peft LoRA ``Linear`` computing ``base(x) + B(A(x)) * scale`` for each active adapter."""
+    if type(module).__module__ != "peft.tuners.lora.layer" or type(module).__name__ != "Linear":
+        return False
+    if _hooked(module) or module.disable_adapters or module.merged:
+        return False
+    return _plain_linear(module.base_layer) and all(
+        name in module.lora_A
+        and name not in getattr(module, "lora_variant", {})  # DoRA and other variants
+        and not getattr(module, "use_dora", {}).get(name, False)  # peft before lora_variant
+        and isinstance(module.lora_dropout[name], nn.Identity)
+        and module.lora_B[name].bias is None
+        and not _hooked(module.lora_A[name])
+        and not _hooked(module.lora_B[name])
+        for name in module.active_adapters
+    )
 
 
 def _hooked(module: nn.Module) -> bool:
