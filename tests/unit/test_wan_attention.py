@@ -241,3 +241,20 @@ def test_compiled_lora_wan_runs_the_fused_projection_in_one_graph_per_block():
     ]
     assert len(block_diagonal) == 2
     torch._dynamo.reset()
+
+
+def test_fp32_adapters_on_a_bf16_base_without_autocast_promote_as_peft_does():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_wan().to(torch.bfloat16), config)  # adapters stay FP32
+    attn = model.base_model.model.blocks[0].attn1
+    assert attn.to_q.lora_A["default"].weight.dtype == torch.float32
+    fused = copy.deepcopy(attn)
+    apply_fused_wan_attention(fused)
+    x = torch.randn(1, 12, attn.to_q.in_features, dtype=torch.bfloat16)
+    angles = torch.randn(1, 12, 1, attn.to_q.out_features // attn.heads)
+    rotary = (angles.cos(), angles.sin())
+    expected = attn(x, rotary_emb=rotary)
+    out = fused(x, rotary_emb=rotary)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)

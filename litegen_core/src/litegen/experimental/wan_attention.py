@@ -70,18 +70,20 @@ def _project(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Te
     if adapters is None:
         return tuple(p(hidden_states) for p in projections)
     bases = [getattr(p, "base_layer", p) for p in projections]
-    qkv = F.linear(
-        hidden_states,
-        torch.cat([b.weight for b in bases]),
-        torch.cat([b.bias for b in bases]),
+    rows = hidden_states.flatten(0, -2)
+    qkv = torch.addmm(
+        torch.cat([b.bias for b in bases]), rows, torch.cat([b.weight for b in bases]).t()
     )
-    result_dtype = qkv.dtype
     for name in adapters:
         down = torch.cat([p.lora_A[name].weight for p in projections])
         up = torch.block_diag(*(p.lora_B[name].weight * p.scaling[name] for p in projections))
         # peft casts the input to the adapter's dtype (a no-op under autocast's GEMMs).
-        qkv = qkv + F.linear(F.linear(hidden_states.to(down.dtype), down), up)
-    return qkv.to(result_dtype).chunk(3, dim=-1)
+        low_rank = F.linear(rows.to(down.dtype), down)
+        if low_rank.dtype == qkv.dtype:  # the sum in the GEMM: no pass of its own over qkv
+            qkv = torch.addmm(qkv, low_rank, up.t())
+        else:  # FP32 adapters on a bf16 base without autocast: peft's promotion, then its cast
+            qkv = (qkv + F.linear(low_rank, up)).to(qkv.dtype)
+    return qkv.unflatten(0, hidden_states.shape[:-1]).chunk(3, dim=-1)
 
 
 def _shared_lora_adapters(projections: tuple[nn.Module, ...]) -> tuple[str, ...] | None:
