@@ -1,6 +1,8 @@
-"""LoRA on 2 gloo ranks: only the adapters train, every strategy matches DDP, the adapter files
-(model and EMA) load into a fresh diffusers model through diffusers' own loader, and a run
-resumed from its run checkpoint equals an uninterrupted one."""
+"""LoRA on 2 gloo ranks: only the adapters train, every strategy matches DDP, with and without
+the fused kernels of the recommended fine-tuning settings (``fused_wan_attention``,
+``fused_gelu_mlp``: torch's ops on the CPU), the adapter files (model and EMA) load into a fresh
+diffusers model through diffusers' own loader, and a run resumed from its run checkpoint equals
+an uninterrupted one."""
 
 import pytest
 import torch
@@ -18,12 +20,22 @@ STEPS = 4
 LORA = {"rank": 4, "alpha": 8, "target_modules": WAN_TARGETS}
 
 
-def train_lora(strategy: str, folder: str) -> dict:
+# The recommended settings' kernels, switched on for this torch (they run on the tested one).
+FUSED = {"fused_wan_attention": True, "fused_gelu_mlp": True}
+
+
+def train_lora(strategy: str, folder: str, fused: bool = False) -> dict:
     import torch.distributed as dist
 
     import litegen
+    from litegen import experimental
     from litegen.utils.config import MainConfig
 
+    optimization = {"parallel": {"strategy": strategy}, "lora": LORA}
+    if fused:
+        for name in FUSED:
+            experimental.TESTED_TORCH[name] = (experimental.torch_release(),)
+        optimization["experimental"] = FUSED
     config = MainConfig.from_dict(
         {
             "runtime": {"device": "cpu"},
@@ -32,7 +44,7 @@ def train_lora(strategy: str, folder: str) -> dict:
             "global_batch_size": 4,
             "max_steps": STEPS,
             "ema": {"enable": True, "decay": 0.5},
-            "optimization": {"parallel": {"strategy": strategy}, "lora": LORA},
+            "optimization": optimization,
         }
     )
     gen = litegen.initialize(config)
@@ -50,8 +62,10 @@ def train_lora(strategy: str, folder: str) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         losses.append(mean.item())
-    adapters = sum(p.numel() for p in gen.unwrap(model).parameters() if p.requires_grad)
+    unwrapped = gen.unwrap(model)
+    adapters = sum(p.numel() for p in unwrapped.parameters() if p.requires_grad)
     return {
+        "fused": fused_modules(unwrapped),
         "losses": torch.tensor(losses),
         "base": base,
         "state": gen.full_model_state(model),
@@ -60,6 +74,20 @@ def train_lora(strategy: str, folder: str) -> dict:
         "adapter_numel": adapters,
         "file": str(gen.save_model()),
         "ema_file": str(gen.save_ema()),
+    }
+
+
+def fused_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many self-attention layers and MLPs of ``model`` run the fused kernels."""
+    from litegen.experimental.fused_gelu_mlp import is_fused
+    from litegen.experimental.wan_attention import FusedWanSelfAttention
+
+    modules = list(model.modules())
+    return {
+        "attention": sum(
+            isinstance(getattr(m, "processor", None), FusedWanSelfAttention) for m in modules
+        ),
+        "mlp": sum(is_fused(m) for m in modules),
     }
 
 
@@ -120,6 +148,20 @@ def test_lora_under_sharding_strategies_equals_ddp(strategy, ddp, tmp_path):
     for name, value in got["state"].items():
         torch.testing.assert_close(value, ddp["state"][name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(from_file(got["file"]), from_file(ddp["file"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "fsdp1"])
+def test_lora_with_the_fused_kernels_equals_ddp_without_them(strategy, ddp, tmp_path):
+    got = run_ranks(train_lora, 2, strategy, str(tmp_path), True)[0]
+    assert got["fused"] == {"attention": 2, "mlp": 2} and ddp["fused"] == {"attention": 0, "mlp": 0}
+    torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-6)
+    # Compared by what the weights compute: the cross-attention's query and key adapters of this
+    # tiny model barely move its outputs, so Adam's normalised steps turn the rounding of their
+    # gradients into weights that differ, with outputs equal to 1e-6.
+    torch.testing.assert_close(
+        from_state(got["state"]), from_state(ddp["state"]), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(from_file(got["file"]), from_file(ddp["file"]), atol=1e-5, rtol=0)
 
 
 def train_loop(folder: str, steps: int, **trainer) -> dict:
