@@ -13,9 +13,10 @@ two rounds): side, samples/s of each round, their median, peak GiB, and the rati
 
 Sides: ``hand`` (eager), ``hand-compiled`` (each block ``torch.compile``'d), ``launch`` (the
 recipe as shipped), ``launch-compiled`` (``optimization.compile.enabled=true``, ``dynamic:
-null``), ``launch-recommended`` (docs/performance.md's fine-tuning settings), ``launch-tuned``
-(those and inductor's ``coordinate_descent_tuning``), ``launch-tuned-wan`` (and
-``fused_wan_attention``) and ``launch-lab-wan`` (and ``fused_gelu_mlp``).
+null``), ``launch-recommended`` (and the fused optimizer), ``launch-tuned`` (and inductor's
+``coordinate_descent_tuning``), ``launch-tuned-wan`` (and ``fused_wan_attention``) and
+``launch-lab-wan`` (and ``fused_gelu_mlp``: docs/performance.md's recommended fine-tuning
+settings on Wan).
 
 On a GPU node without uv, from the repository root (docs in /work/shared/gpu/README.md)::
 
@@ -47,26 +48,18 @@ _RECOMMENDED = [
     "optimization.compile.dynamic=null",
     "optimization.optimizer.backend=fused",
 ]
+_TUNED = [*_RECOMMENDED, "optimization.compile.options.coordinate_descent_tuning=true"]
+_TUNED_WAN = [*_TUNED, "optimization.experimental.fused_wan_attention=true"]
 LAUNCH_SIDES: dict[str, list[str]] = {
     "launch": [],
     "launch-compiled": ["optimization.compile.enabled=true", "optimization.compile.dynamic=null"],
     "launch-recommended": _RECOMMENDED,
-    # Candidates for the recommended settings: tuned Triton launches (longer cold compiles) and,
-    # on Wan, the fused self-attention (one GEMM each way for the projections and for their
-    # adapters, the query/key norm and rotary embedding in one kernel) and the GELU MLP with its
-    # activation in the GEMMs' epilogues.
-    "launch-tuned": [*_RECOMMENDED, "optimization.compile.options.coordinate_descent_tuning=true"],
-    "launch-tuned-wan": [
-        *_RECOMMENDED,
-        "optimization.compile.options.coordinate_descent_tuning=true",
-        "optimization.experimental.fused_wan_attention=true",
-    ],
-    "launch-lab-wan": [
-        *_RECOMMENDED,
-        "optimization.compile.options.coordinate_descent_tuning=true",
-        "optimization.experimental.fused_wan_attention=true",
-        "optimization.experimental.fused_gelu_mlp=true",
-    ],
+    # Tuned Triton launches (longer cold compiles) and, on Wan, the fused self-attention (one
+    # GEMM each way for the projections and for their adapters, the query/key norm and rotary
+    # embedding in one kernel) and the GELU MLP with its activation in the GEMMs' epilogues.
+    "launch-tuned": _TUNED,
+    "launch-tuned-wan": _TUNED_WAN,
+    "launch-lab-wan": [*_TUNED_WAN, "optimization.experimental.fused_gelu_mlp=true"],
 }
 HAND_SIDES: dict[str, list[str]] = {"hand": [], "hand-compiled": ["--compile"]}
 

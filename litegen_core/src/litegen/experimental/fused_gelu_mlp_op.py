@@ -57,9 +57,7 @@ def gelu_mlp_backward(
     grad_y: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`gelu_mlp`'s ``y`` for ``(x, w1, b1, w2, b2)``."""
-    grad_pre = cublaslt.dgelu(grad_y, w2, pre)
-    if grad_pre is None:
-        grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
+    grad_pre = _grad_pre(grad_y, w2, pre)
     # The bias gradients as GEMVs of their own: cuBLASLt's DGELU_BGRAD and BGRADB epilogues,
     # which would fold them into the GEMMs, measured slower (benchmarks/).
     return grad_pre @ w1, grad_pre.t() @ x, sum_rows(grad_pre), grad_y.t() @ h, sum_rows(grad_y)
@@ -94,10 +92,15 @@ def _(
 @torch.library.custom_op("litegen::gelu_mlp_input_backward", mutates_args=())
 def gelu_mlp_input_backward(grad_y: Tensor, w1: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
     """The gradient of :func:`gelu_mlp`'s ``y`` for ``x`` alone (frozen weights)."""
+    return _grad_pre(grad_y, w2, pre) @ w1
+
+
+def _grad_pre(grad_y: Tensor, w2: Tensor, pre: Tensor) -> Tensor:
+    """``(grad_y @ w2) * gelu'(pre)``: cuBLASLt's ``DGELU`` GEMM, else torch's two ops."""
     grad_pre = cublaslt.dgelu(grad_y, w2, pre)
     if grad_pre is None:
         grad_pre = torch.ops.aten.gelu_backward(grad_y @ w2, pre, approximate="tanh")
-    return grad_pre @ w1
+    return grad_pre
 
 
 @gelu_mlp_input_backward.register_fake

@@ -10,8 +10,7 @@ With peft's LoRA on the three projections, the adapters are fused too: one GEMM 
 ``lora_A`` (concatenated) and one for their ``lora_B`` (block-diagonal, each scale multiplied
 in), so the hidden states are read once for six GEMMs' work, forward and backward. Projections
 with hooks, dropout, DoRA or other variants, merged or disabled adapters run as their own
-modules. Parameters, module tree and
-``state_dict`` stay the model's own. A call this processor does not cover (cross-attention, a
+modules. Parameters, module tree and ``state_dict`` stay the model's own. A call this processor does not cover (cross-attention, a
 mask, no rotary embedding, diffusers' own context parallelism or attention backend, fused
 projections) runs the layer's original processor.
 
@@ -89,14 +88,12 @@ def _project(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Te
 def _shared_lora_adapters(projections: tuple[nn.Module, ...]) -> tuple[str, ...] | None:
     """The active LoRA adapters of three projections that can run as one GEMM each way: ``()``
     for plain linear layers, None when any projection must run as its own module."""
-    if not all(_plain_linear(p) for p in projections):
-        if not all(_plain_lora(p) for p in projections):
-            return None
-        active = {tuple(p.active_adapters) for p in projections}
-        if len(active) != 1:
-            return None
-        return tuple(active.pop())
-    return ()
+    if all(_plain_linear(p) for p in projections):
+        return ()
+    if not all(_plain_lora(p) for p in projections):
+        return None
+    active = {tuple(p.active_adapters) for p in projections}
+    return active.pop() if len(active) == 1 else None
 
 
 def _plain_linear(module: nn.Module) -> bool:
