@@ -357,7 +357,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="default: recipes/finetune_video.yaml (wan), finetune_image.yaml",
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/finetune_vs_hand"))
-    parser.add_argument("--resolution", type=int, default=None, help="480 (wan), 1024 (flux)")
+    parser.add_argument(
+        "--resolution", type=int, default=None, help="480 (wan), 1024 (flux), 64 (--tiny)"
+    )
     parser.add_argument("--aspect", default=None, help="width:height, 16:9 (wan), 1:1 (flux)")
     parser.add_argument("--tiny", action="store_true", help="the tiny zoo pipeline (CPU check)")
     parser.add_argument("--frames", type=int, default=49, help="Wan: frames of a clip, 4k+1")
@@ -409,7 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     wan = args.family == "wan"
     if args.recipe is None:
         args.recipe = ROOT / "recipes" / ("finetune_video.yaml" if wan else "finetune_image.yaml")
-    args.resolution = args.resolution or (480 if wan else 1024)
+    # The tiny pipeline's rotary table covers small latents only.
+    args.resolution = args.resolution or (64 if args.tiny else 480 if wan else 1024)
     args.frames = args.frames if wan else 1
     args.aspect = args.aspect or ("16:9" if wan else "1:1")
     args.rank = args.rank or (32 if wan else 16)
