@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from litegen_zoo.real_models import REAL_MODELS, Batch, LatentShape
+
+if TYPE_CHECKING:
+    from scripts.lab.step_profile import StepProfiler
 
 GIB = 2**30
 
@@ -104,32 +107,20 @@ def build(config: Any) -> dict:
     return {"model": model, "optimizer": optimizer, "dataset": LatentDataset(tensors)}
 
 
-_profiler: dict[str, Any] = {}
+_profiler: StepProfiler | None = None
 
 
 def train_step(batch: Batch, model, config, step: int, **_) -> torch.Tensor:
     """The zoo's loss; also starts and stops the profiler at ``model.profile_steps``."""
+    global _profiler
     settings = settings_of(config)
     window = settings.get("profile_steps")
-    if window is not None and step in window:
-        _toggle_profiler(start=step == window[0], steps=window[1] - window[0])
+    if window is not None:
+        from scripts.lab.step_profile import StepProfiler
+
+        _profiler = _profiler or StepProfiler(*window)
+        _profiler.at_step(step)
     return REAL_MODELS[settings.get("name", "wan")].loss(model, batch)
-
-
-def _toggle_profiler(start: bool, steps: int) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    if start:
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
-        _profiler["prof"] = profile(activities=activities)
-        _profiler["steps"] = steps
-        _profiler["prof"].start()
-    elif "prof" in _profiler:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        _profiler["prof"].stop()
 
 
 def finish(config: Any, **_) -> None:
@@ -140,9 +131,8 @@ def finish(config: Any, **_) -> None:
         )
     }
     results = Path(config.get_results_dir())
-    if "prof" in _profiler:
-        from scripts.lab.step_profile import summarize
-
-        summary["profile"] = summarize(_profiler["prof"], _profiler["steps"], results)
+    profile = _profiler.summary(results) if _profiler is not None else None
+    if profile is not None:
+        summary["profile"] = profile
     results.mkdir(parents=True, exist_ok=True)
     (results / "summary.json").write_text(json.dumps(summary), encoding="utf-8")

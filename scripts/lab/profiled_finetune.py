@@ -23,39 +23,27 @@ import torch
 
 import litegen.finetune as road
 from litegen.finetune import build, build_cache, check_inputs, sample
-from scripts.lab.step_profile import describe, summarize
+from scripts.lab.step_profile import StepProfiler, describe
 
 FIRST, LAST = (int(s) for s in os.environ.get("LITEGEN_PROFILE_STEPS", "30,33").split(","))
-_profiler: dict[str, Any] = {}
+_profiler = StepProfiler(FIRST, LAST)
 
 
 @functools.wraps(road.train_step)
 def train_step(*args: Any, **kwargs: Any) -> torch.Tensor:
-    step = kwargs.get("step", 1)
-    # A step's train_step runs first in it: starting here and stopping at LAST's traces whole
-    # steps, backward and optimizer included.
-    if step == FIRST:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        _profiler["prof"] = torch.profiler.profile(activities=activities)
-        _profiler["prof"].start()
-    elif step == LAST and "prof" in _profiler:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        _profiler["prof"].stop()
-        _profiler["stopped"] = True
+    _profiler.at_step(kwargs.get("step", 1))
     return road.train_step(*args, **kwargs)
 
 
 @functools.wraps(road.finish)
 def finish(gen: Any, config: Any, model: Any) -> None:
     road.finish(gen, config, model)
-    if _profiler.get("stopped") and gen.is_main_process:
+    if gen.is_main_process:
         results = Path(config.get_results_dir())
-        profile = summarize(_profiler["prof"], LAST - FIRST, results)
-        (results / "profile.json").write_text(json.dumps(profile, indent=1))
-        print(describe(profile), flush=True)
+        profile = _profiler.summary(results)
+        if profile is not None:
+            (results / "profile.json").write_text(json.dumps(profile, indent=1))
+            print(describe(profile), flush=True)
 
 
 __all__ = ["build", "build_cache", "check_inputs", "finish", "sample", "train_step"]

@@ -3,7 +3,8 @@
 For the question "does the GPU wait for the host?": per step, the wall time, the GPU's busy and
 idle time (no kernel running), the host's time blocked in synchronising CUDA calls and the
 number of such calls, and the longest GPU gaps with the kernels around them. Used by
-``scripts/bench/real_model_entry.py`` (``model.profile_steps``, ``bench_launch.py --profile``).
+``scripts/bench/real_model_entry.py`` (``model.profile_steps``, ``bench_launch.py --profile``)
+and ``scripts/lab/profiled_finetune.py``, through :class:`StepProfiler`.
 
 Example:
     >>> prof = torch.profiler.profile(activities=[...]); prof.start(); ...; prof.stop()
@@ -22,6 +23,44 @@ from scripts.lab.trace_kernels import union_us
 
 GAP_US = 20.0  # shorter GPU gaps are launch latency between queued kernels
 TOP_KERNELS = 8
+
+
+class StepProfiler:
+    """torch.profiler over steps ``[first, last)`` of a training loop, for a recipe's entry.
+
+    Call :meth:`at_step` at the start of each step (the entry's ``train_step``): the trace then
+    holds whole steps, backward and optimizer included.
+
+    Example::
+
+        profiler = StepProfiler(30, 33)  # in train_step: profiler.at_step(step)
+        profiler.summary(Path("results/run"))["gpu_idle_ms"]  # in finish
+    """
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self._prof: Any = None
+        self._stopped = False
+
+    def at_step(self, step: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.first:
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            self._prof = profile(activities=activities)
+            self._prof.start()
+        elif step == self.last and self._prof is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._prof.stop()
+            self._stopped = True
+
+    def summary(self, folder: Path) -> dict[str, Any] | None:
+        """:func:`summarize` of the traced steps; None unless all of them ran."""
+        return summarize(self._prof, self.last - self.first, folder) if self._stopped else None
 
 
 def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
