@@ -16,9 +16,9 @@ The model is built on the training device with random weights (nothing is downlo
 meta device, with no memory at all, when ``runtime.device`` is ``meta``), then
 AdamW (``fused=True`` on CUDA) over it with the recipe's ``lr`` and ``weight_decay``; the loss is
 the zoo's flow-matching MSE. The model reports its tokens per sample, so the logs carry tokens/s.
-``finish`` writes ``summary.json`` to the results folder: the peak memory, and where the profiled
-steps' time went. ``bench_launch.py`` runs it against ``hand_loop.py``, and ``sp_dry_run.yaml``
-trains a tiny Wan with sequence parallelism on 2 CPU ranks:
+``finish`` writes ``summary.json`` to the results folder (rank 0): its peak memory, and where
+the profiled steps' time went. ``bench_launch.py`` runs it against ``hand_loop.py``, and
+``sp_dry_run.yaml`` trains a tiny Wan with sequence parallelism on 2 CPU ranks:
 
     uv run --locked litegen launch scripts/bench/sp_dry_run.yaml
 """
@@ -123,7 +123,10 @@ def train_step(batch: Batch, model, config, step: int, **_) -> torch.Tensor:
     return REAL_MODELS[settings.get("name", "wan")].loss(model, batch)
 
 
-def finish(config: Any, **_) -> None:
+def finish(gen: Any, config: Any, **_) -> None:
+    # Ranks share the results folder: one writes, as two would corrupt the trace.
+    if not gen.is_main_process:
+        return
     device = device_of(config)
     summary: dict[str, Any] = {
         "peak_memory_gib": (
