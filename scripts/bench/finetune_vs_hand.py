@@ -24,6 +24,11 @@ On a GPU node without uv, from the repository root (docs in /work/shared/gpu/REA
       python3 -m scripts.bench.finetune_vs_hand --family wan --recipe recipes/finetune_video.yaml
 
 Reduced shape (``.ci/gpu_smoke.sh``): ``--resolution 256 --frames 17 --windows 1``.
+
+Where each side's time goes: ``--profile 31,34`` traces those steps with torch.profiler (the
+launch sides through the ``scripts.lab.profiled_finetune`` entry) and writes ``profile.json`` and
+``profile_trace.json.gz`` to each run's folder; ``python -m scripts.lab.trace_kernels
+RUN/.../profile_trace.json.gz --steps 3`` names the kernels. Profiled runs are tabled apart.
 """
 
 from __future__ import annotations
@@ -219,6 +224,8 @@ def run_hand(args, side: str, pipeline: Path, shape, folder: Path) -> dict[str, 
     command = [sys.executable, str(HAND), *flags, *HAND_SIDES[side]]
     if args.attention:
         command += ["--attention", args.attention]
+    if args.profile:
+        command += ["--profile", args.profile]
     run_logged(command, folder / "run.log", args.timeout)
     result = json.loads(out.read_text())
     return {
@@ -238,6 +245,7 @@ def run_launch(args, side: str, pipeline: Path, media: Path, folder: Path) -> di
         *args.launch_sides[side],
         *args.launch_override,
         *([f"optimization.kernels.attention_backend={args.attention}"] if args.attention else []),
+        *(["launch.entry=scripts.lab.profiled_finetune"] if args.profile else []),
     )
     run_logged(command, folder / "run.log", args.timeout)
     lines = (results / "metrics.jsonl").read_text().splitlines()
@@ -254,7 +262,9 @@ def run_launch(args, side: str, pipeline: Path, media: Path, folder: Path) -> di
 
 def shape_key(args: argparse.Namespace, shape) -> str:
     flux = f" {args.flux_layers}+{args.flux_single_layers} blocks" if args.family == "flux" else ""
-    return f"{args.family}{flux} {'x'.join(map(str, shape))} rank {args.rank} {args.recipe.name}"
+    profiled = " profiled" if args.profile else ""  # the profiler slows both sides
+    shape = "x".join(map(str, shape))
+    return f"{args.family}{flux} {shape} rank {args.rank} {args.recipe.name}{profiled}"
 
 
 def summary(args: argparse.Namespace, key: str) -> dict[str, Any]:
@@ -395,6 +405,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=480, help="seconds per run")
     parser.add_argument(
+        "--profile", metavar="FIRST,LAST", help="trace steps [FIRST, LAST) of every side"
+    )
+    parser.add_argument(
         "--recipe-override",
         nargs="*",
         default=[],
@@ -417,6 +430,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.aspect = args.aspect or ("16:9" if wan else "1:1")
     args.rank = args.rank or (32 if wan else 16)
     args.alpha = float(args.rank)  # both recipes: alpha = rank
+    if args.profile:
+        first, last = (int(n) for n in args.profile.split(","))
+        if not 0 < first < last <= args.warmup + args.window * args.windows:
+            parser.error(f"--profile {args.profile}: steps out of the run's range")
+        os.environ["LITEGEN_PROFILE_STEPS"] = args.profile  # the profiled entry reads it
     return args
 
 

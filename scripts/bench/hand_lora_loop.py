@@ -10,7 +10,9 @@ transformer block is compiled (``torch.compile`` of its ``forward``, as users do
 compile). No LiteGen code runs in the loop; latents and text embeddings are random (batch 1),
 held in pinned host memory and copied to the GPU at every step, as a DataLoader with
 ``pin_memory`` hands them over. The loss is read back every ``--log-every`` steps, as a user
-logs it.
+logs it. ``--profile FIRST,LAST`` traces steps ``[FIRST, LAST)`` (1-based) with torch.profiler
+and writes ``profile.json`` and ``profile_trace.json.gz`` beside ``--out``
+(``scripts/lab/step_profile.py``), as the recipe's ``scripts.lab.profiled_finetune`` entry does.
 
 Prints one JSON line: samples/s (the median over windows of ``--window`` steps after
 ``--warmup`` steps, each step timed by CUDA events), the peak of allocated memory in GiB, and
@@ -37,6 +39,7 @@ from torch import nn
 # The inductor options compiled regions need for correct gradients (litegen/compile.py says
 # why); a careful user sets them too. The only LiteGen code the loop uses.
 from litegen.compile import correct_gradient_options
+from scripts.lab.step_profile import StepProfiler, describe
 
 
 def load_transformer(folder: Path, family: str) -> nn.Module:
@@ -204,9 +207,12 @@ def train(args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     started = time.time()
+    profiler = StepProfiler(*args.profile) if args.profile else None
     clock = StepClock(device)
     clock.mark()
     for step in range(steps):
+        if profiler is not None:
+            profiler.at_step(step + 1)
         host = samples[step % len(samples)]
         batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}
         x0 = inputs.pack(batch["latents"].float())
@@ -232,6 +238,10 @@ def train(args: argparse.Namespace) -> dict:
         args.window * args.batch / sum(seconds[start : start + args.window])
         for start in range(args.warmup, steps, args.window)
     ]
+    profile = profiler.summary(args.out.parent) if profiler and args.out else None
+    if profile is not None:
+        (args.out.parent / "profile.json").write_text(json.dumps(profile, indent=1))
+        print(describe(profile), flush=True)
     return {
         "samples_per_s": statistics.median(rates),
         "window_rates": rates,
@@ -274,6 +284,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--log-every", type=int, default=10, help="loss.item() every N steps")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--profile",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        metavar="FIRST,LAST",
+        help="trace steps [FIRST, LAST) into --out's folder",
+    )
     return parser.parse_args(argv)
 
 

@@ -123,6 +123,13 @@ def main() -> None:
         raise SystemExit(f"{args.trace} holds no GPU kernels (a --device cpu run?)")
     busy = sum(e["dur"] for e in kernels) / args.steps / 1e3
     print(f"{len(kernels) // args.steps} kernels, {busy:.1f} ms busy per step")
+    by_category: Counter[str] = Counter()
+    for e in kernels:
+        by_category[kernel_category(e["name"])] += e["dur"]
+    print(
+        "by category: "
+        + ", ".join(f"{c} {us / args.steps / 1e3:.2f} ms" for c, us in by_category.most_common())
+    )
     for ms, calls, name in heaviest(kernels, args.steps, args.top):
         print(f"{ms:8.2f} ms {calls:5d}x  {name[:110]}")
     found = gaps(kernels)

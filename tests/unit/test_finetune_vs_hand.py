@@ -5,11 +5,12 @@ reference side's median. The GPU runs themselves are the lead's (docs/performanc
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from scripts.bench.finetune_vs_hand import bucket, parse_args, summary, table
+from scripts.bench.finetune_vs_hand import bucket, parse_args, shape_key, summary, table
 from scripts.bench.hand_lora_loop import FluxInputs, WanInputs
 
 
@@ -61,3 +62,14 @@ def test_the_table_gives_each_side_its_median_and_ratio(tmp_path):
     assert result["sides"]["launch"]["ratio"] == pytest.approx(3.0 / 2.5)
     assert result["sides"]["launch"]["peak_gib"] == 22.0
     assert "launch               2.700 3.300" in table(result)
+
+
+def test_profiled_runs_are_tabled_apart_and_their_steps_must_run(monkeypatch):
+    monkeypatch.setenv("LITEGEN_PROFILE_STEPS", "unset")  # restored after the test
+    plain = parse_args([])
+    profiled = parse_args(["--profile", "31,34"])
+    shape = bucket(plain)
+    assert shape_key(profiled, shape) == shape_key(plain, shape) + " profiled"
+    assert os.environ["LITEGEN_PROFILE_STEPS"] == "31,34"  # what the profiled entry reads
+    with pytest.raises(SystemExit):
+        parse_args(["--profile", "31,42"])  # 40 steps run by default
