@@ -39,7 +39,7 @@ from torch import nn
 # The inductor options compiled regions need for correct gradients (litegen/compile.py says
 # why); a careful user sets them too. The only LiteGen code the loop uses.
 from litegen.compile import correct_gradient_options
-from scripts.lab.step_profile import StepProfiler, describe
+from scripts.lab.step_profile import StepProfiler
 
 
 def load_transformer(folder: Path, family: str) -> nn.Module:
@@ -238,10 +238,8 @@ def train(args: argparse.Namespace) -> dict:
         args.window * args.batch / sum(seconds[start : start + args.window])
         for start in range(args.warmup, steps, args.window)
     ]
-    profile = profiler.summary(args.out.parent) if profiler and args.out else None
-    if profile is not None:
-        (args.out.parent / "profile.json").write_text(json.dumps(profile, indent=1))
-        print(describe(profile), flush=True)
+    if profiler is not None and args.out is not None:
+        profiler.write(args.out.parent)
     return {
         "samples_per_s": statistics.median(rates),
         "window_rates": rates,

@@ -34,7 +34,7 @@ class StepProfiler:
     Example::
 
         profiler = StepProfiler(30, 33)  # in train_step: profiler.at_step(step)
-        profiler.summary(Path("results/run"))["gpu_idle_ms"]  # in finish
+        profiler.write(Path("results/run"))["gpu_idle_ms"]  # in finish: profile.json
     """
 
     def __init__(self, first: int, last: int) -> None:
@@ -61,6 +61,15 @@ class StepProfiler:
     def summary(self, folder: Path) -> dict[str, Any] | None:
         """:func:`summarize` of the traced steps; None unless all of them ran."""
         return summarize(self._prof, self.last - self.first, folder) if self._stopped else None
+
+    def write(self, folder: Path) -> dict[str, Any] | None:
+        """:meth:`summary`, also written to ``folder/profile.json`` and printed; None (nothing
+        written) unless all the traced steps ran."""
+        profile = self.summary(folder)
+        if profile is not None:
+            (folder / "profile.json").write_text(json.dumps(profile, indent=1))
+            print(describe(profile), flush=True)
+        return profile
 
 
 def summarize(prof: Any, steps: int, folder: Path) -> dict[str, Any]:
